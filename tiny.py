@@ -1,0 +1,87 @@
+"""Tiny random-weight models and a character-level tokenizer, built in code (no hub needed).
+
+The default job, the tests and the benchmark use these so that everything runs offline on a CPU.
+`--actor.model-path tiny:qwen2` (also `tiny:qwen3`, `tiny:llama`) builds the model once into a folder
+with `save_pretrained`, so transformers, vLLM and peft load it exactly as they would a hub model.
+
+Design decisions:
+- The tokenizer is byte-level BPE like Qwen's (transformers 5 rebuilds Qwen's byte-level pipeline
+  around any tokenizer.json of a qwen2 model anyway), but with no merges and only the printable ASCII
+  bytes: one token per character, plus Qwen's special tokens and chat template. A ~110-token vocabulary keeps the built-in task learnable
+  from random weights within minutes: the right answer starts out with probability ~1/100, not 1/150k.
+- head_dim is 64 because vLLM's CPU attention rejects 16 (../shared/cpu-stack.md); hidden 128,
+  2 heads, 1 KV head, 2 layers: about 0.3M parameters.
+- Qwen2 and Qwen3 tie the input and output embeddings (as Qwen2.5-0.5B..3B do), Llama does not, so
+  the weight sync is exercised both ways.
+"""
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>",
+                  "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ARCHITECTURES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=64)),
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, head_dim=64)),
+}
+
+
+def _byte_level(character: str) -> str:
+    """The byte-level BPE alphabet: bytes 33..126 are themselves, bytes below 33 are chr(256 + byte)."""
+    return character if ord(character) > 32 else chr(256 + ord(character))
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: every printable ASCII character is one token; others map to <unk>."""
+    characters = [c for c in string.printable if c not in "\r\x0b\x0c"]  # 97: letters, digits, punctuation, space, \t, \n
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + [_byte_level(c) for c in characters])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(architecture: str, path: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random-weight model + tokenizer to `path` (deterministic for a given seed)."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {architecture!r}; choose one of {sorted(ARCHITECTURES)}")
+    config_cls, model_cls, extra = ARCHITECTURES[architecture]
+    tokenizer = build_tokenizer()
+    config = config_cls(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32", **extra,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
