@@ -1,0 +1,250 @@
+"""Prompt datasets: load `name[@split]`, render every prompt, serve seeded, resumable batches to each rank.
+
+Dataset format: one row per prompt; the column names are flags (--data.prompt-key, --data.answer-key,
+--data.image-key), other columns are kept and reach the reward function with the row.
+
+    {"problem": "What is 2 + 3?", "answer": "5", "images": [], ...any other columns}
+
+- prompt (`problem`): text, rendered through the optional Jinja format prompt as `{{ content }}`,
+  then through the tokenizer's chat template as one user turn with the generation prompt.
+- answer (`answer`): the ground truth, any type, handed untouched to the reward function.
+- images (`images`, optional): a list of PIL images, {"bytes": ...} dicts, raw bytes or paths, for
+  vision-language models; passed through as is (not decoded or resized here yet).
+
+Where the rows come from (`name[@split]`, split `train` unless given):
+    toy                      the built-in task "digit names" (toy_rows): splits train and test
+    data/math12k.parquet     one parquet, json, jsonl or csv file: the file is the split (no @split)
+    data/math12k@test        a folder of such files, split by file name (train.jsonl, test-0000.parquet)
+    hiyouga/math12k@test     a Hugging Face Hub dataset id (needs the network or a filled HF cache)
+
+Design decisions:
+- Prompts longer than max_prompt_length tokens are dropped at start-up, never truncated (a cut prompt
+  is a different question); the count is kept in `num_filtered` for the trainer to log.
+- Every rank loads the whole dataset and draws the same permutation (seed + epoch), then takes its
+  contiguous share of each global batch: no sampler, no communication.
+- The loader's position counts global prompts, so a resumed run gets the identical next batch, even on
+  a different number of ranks (with the same global batch size).
+- The incomplete last batch of an epoch is dropped: every step sees exactly batch_size prompts.
+"""
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import jinja2
+
+FILE_TYPES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+TEMPLATES = Path(__file__).parent / "templates"
+DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+@dataclass
+class DataConfig:
+    train_files: str = "toy"
+    """Training data `name[@split]`: `toy` (built-in task), a parquet/json/jsonl/csv file, a folder of them, or a hub id; split `train` unless given."""
+    val_files: str = "toy@test"
+    """Validation data, same format (e.g. `data/math12k@test`); empty string: no validation."""
+    prompt_key: str = "problem"
+    """Column holding the prompt text."""
+    answer_key: str = "answer"
+    """Column holding the ground truth passed to the reward function."""
+    image_key: str = "images"
+    """Column holding each row's list of images (vision-language models); ignored when the dataset has no such column."""
+    format_prompt: str = ""
+    """Jinja template rendering the prompt as `{{ content }}`, e.g. templates/math.jinja (also found next to data.py); empty: the prompt as is."""
+    max_prompt_length: int = 256
+    """Prompts longer than this many tokens (chat template included) are dropped at start-up; the count is logged."""
+    shuffle: bool = True
+    """Reshuffle the training prompts every epoch (seeded by seed + epoch)."""
+    seed: int = 1
+    """Seed of the shuffling."""
+
+
+# ---------------------------------------------------------------- rows: toy task, files, folders, hub
+
+
+def toy_rows(split: str) -> list[dict]:
+    """The built-in task "digit names": the prompt is a digit written as an English word, the answer the digit.
+
+    train: 1024 digits drawn uniformly with random.Random(0); test: each digit once, in order.
+    >>> toy_rows("test")[7]
+    {'problem': 'seven', 'answer': '7'}
+    """
+    if split == "train":
+        rng = random.Random(0)
+        digits = [rng.randrange(10) for _ in range(1024)]
+    elif split == "test":
+        digits = list(range(10))
+    else:
+        raise ValueError(f"the toy dataset has the splits 'train' and 'test', not {split!r}")
+    return [{"problem": DIGIT_NAMES[digit], "answer": str(digit)} for digit in digits]
+
+
+def parse_spec(spec: str) -> tuple[str, str | None]:
+    """`name[@split]` -> (name, split or None). `data/x.jsonl@test` -> ("data/x.jsonl", "test")."""
+    name, at, split = spec.rpartition("@")
+    if not at or not name or "/" in split:  # an '@' inside a path is not a split
+        return spec, None
+    return name, split
+
+
+def _load(description: str, *args, **kwargs) -> datasets.Dataset:
+    """datasets.load_dataset, with a failure reported as a ValueError naming what was being read."""
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except Exception as error:
+        raise ValueError(f"could not read dataset {description}: {type(error).__name__}: {error}") from error
+
+
+def load_rows(spec: str) -> datasets.Dataset:
+    """The rows of `name[@split]`: the toy task, a local file or folder, or a hub dataset (module docstring)."""
+    name, split = parse_spec(spec)
+    path = Path(name).expanduser()
+    if name == "toy":
+        return datasets.Dataset.from_list(toy_rows(split or "train"))
+    if path.is_file():
+        if split is not None:
+            raise ValueError(f"dataset {spec!r}: a single file has no splits, the file is the split; "
+                             f"drop '@{split}' or point at a folder of files named by split")
+        if path.suffix not in FILE_TYPES:
+            raise ValueError(f"dataset file {path} has an unsupported type; use one of {sorted(FILE_TYPES)}")
+        return _load(f"file {path}", FILE_TYPES[path.suffix], data_files=str(path), split="train")
+    split = split or "train"
+    if path.is_dir():
+        return _load(f"folder {path} (split {split!r})", str(path), split=split)
+    if path.suffix in FILE_TYPES or name.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"dataset file or folder {str(path.absolute())!r} does not exist")
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as error:
+        raise RuntimeError(
+            f"could not load {name!r} (split {split!r}) from the Hugging Face Hub: "
+            f"{type(error).__name__}: {error}. No local file or folder has that name either. If this "
+            "machine is offline, download the dataset elsewhere and pass a local file or folder "
+            "(e.g. --data.train-files data/math12k.parquet)"
+        ) from error
+
+
+# ---------------------------------------------------------------- prompts: templates and the length filter
+
+
+def load_template(path: str) -> jinja2.Template | None:
+    """The format prompt, found as given or next to this file (so `templates/math.jinja` works from anywhere)."""
+    if not path:
+        return None
+    for candidate in (Path(path), Path(__file__).parent / path):
+        if candidate.is_file():
+            # StrictUndefined: a misspelt variable ({{ contnet }}) fails instead of rendering as ''
+            return jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(candidate.read_text())
+    shipped = sorted(f"templates/{p.name}" for p in TEMPLATES.glob("*.jinja"))
+    raise FileNotFoundError(f"format prompt {path!r} (--data.format-prompt) not found; shipped: {shipped}")
+
+
+class PromptDataset:
+    """The prompts of one dataset, ready for the rollout. With the Qwen chat template, item i is e.g.
+
+        {"prompt": "<|im_start|>user\\nseven<|im_end|>\\n<|im_start|>assistant\\n",  # chat-templated text
+         "prompt_ids": [1, 38, 36, 22, 35, 104, ...],    # its tokens (tiny.py), no special tokens added
+         "ground_truth": "7",                            # row[answer_key], any type
+         "row": {"problem": "seven", "answer": "7"},     # the full row, for the reward function
+         "images": []}                                   # row[image_key], or [] when absent / None
+    """
+
+    def __init__(self, rows: datasets.Dataset, cfg: DataConfig, tokenizer, name: str):
+        for key, flag in ((cfg.prompt_key, "--data.prompt-key"), (cfg.answer_key, "--data.answer-key")):
+            if key not in rows.column_names:
+                raise ValueError(f"dataset {name!r} has no column {key!r} (its columns: {rows.column_names}); "
+                                 f"set {flag} to the right one")
+        self.cfg, self.tokenizer, self.name = cfg, tokenizer, name
+        self.template = load_template(cfg.format_prompt)
+
+        def fits(text, index: int) -> bool:
+            return len(self.prompt_ids(self.prompt(text, index))) <= cfg.max_prompt_length
+
+        # input_columns: only the prompt column is read, so an image dataset's images are not decoded here
+        self.rows = rows.filter(fits, input_columns=cfg.prompt_key, with_indices=True, keep_in_memory=True,
+                                desc=f"dropping prompts over {cfg.max_prompt_length} tokens")
+        self.num_filtered = len(rows) - len(self.rows)
+        if len(self.rows) == 0:
+            raise ValueError(f"all {len(rows)} prompts of dataset {name!r} are longer than "
+                             f"{cfg.max_prompt_length} tokens; raise --data.max-prompt-length")
+
+    def prompt(self, text, index: int) -> str:
+        """Row `index`'s prompt text -> format template -> chat template (one user turn + generation prompt)."""
+        if not isinstance(text, str):
+            raise ValueError(f"dataset {self.name!r}, row {index}: column {self.cfg.prompt_key!r} must hold "
+                             f"text, got {type(text).__name__} {text!r:.80}")
+        content = self.template.render(content=text) if self.template else text
+        messages = [{"role": "user", "content": content}]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        # the chat template already wrote the special tokens, so the tokenizer must not add a BOS again
+        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        row = self.rows[index]
+        prompt = self.prompt(row[self.cfg.prompt_key], index)
+        return {
+            "prompt": prompt,
+            "prompt_ids": self.prompt_ids(prompt),
+            "ground_truth": row[self.cfg.answer_key],
+            "row": row,
+            "images": list(row.get(self.cfg.image_key) or []),
+        }
+
+
+# ---------------------------------------------------------------- batches: every rank its share
+
+
+class PromptLoader:
+    """Endless, seeded, resumable batches of prompts; `next_batch()` gives this rank its share of the next one.
+
+    Epoch e visits the prompts in the order random.Random(seed + e).shuffle(range(n)) (the same on every
+    rank). A step takes the next batch_size prompts of that order (the global batch) and rank r the
+    contiguous slice [r * B/W, (r + 1) * B/W). With n=10, batch_size=4, world_size=2, shuffle=False:
+    rank 0 gets items 0,1 then 4,5 then (items 8,9 dropped, epoch 1) 0,1; rank 1 gets 2,3 then 6,7 then 2,3.
+    """
+
+    def __init__(self, dataset: Sequence, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool):
+        if batch_size % world_size:
+            raise ValueError(f"the global batch of {batch_size} prompts cannot be split evenly over {world_size} "
+                             "ranks; choose a batch size divisible by the number of ranks")
+        if len(dataset) < batch_size:
+            raise ValueError(f"the dataset has {len(dataset)} prompts (after dropping overlong ones), fewer than one "
+                             f"batch of {batch_size}; lower the batch size or use a larger dataset")
+        self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+        self.per_rank = batch_size // world_size
+        self.offset = rank * self.per_rank  # this rank's slice of each global batch
+        self.load_state_dict({"epoch": 0, "position": 0})
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[dict]:
+        if self.position + self.batch_size > len(self.dataset):  # drop the incomplete last batch
+            self.load_state_dict({"epoch": self.epoch + 1, "position": 0})
+        start = self.position + self.offset
+        self.position += self.batch_size
+        return [self.dataset[i] for i in self.order[start : start + self.per_rank]]
+
+    def state_dict(self) -> dict:
+        """Where the run stands, in global prompts: the same on every rank, valid for any number of ranks."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.order = self._order(self.epoch)
+
+
+def shard(dataset: Sequence, rank: int, world_size: int) -> list[dict]:
+    """This rank's share of a (validation) dataset: items rank, rank + world_size, ... (ranks may differ by one)."""
+    return [dataset[i] for i in range(rank, len(dataset), world_size)]

@@ -1,0 +1,565 @@
+"""GRPO for LLMs: FSDP2 actor + in-process vLLM rollout, in one readable loop.
+
+Run the built-in demo (tiny model, synthetic task, CPU or GPU, no downloads):
+    torchrun --nproc_per_node 2 grpo.py
+A preset from configs/ plus flag overrides (every config field is a flag, see --help):
+    torchrun --nproc_per_node 8 grpo.py math --actor.model-path Qwen/Qwen2.5-1.5B-Instruct
+
+One training step:
+    generate (vLLM) -> rewards -> old/ref log-probs -> advantages -> PPO epochs x mini-batches x
+    micro-batches (loss, backward), clip, optimizer step -> LR step -> sync weights into vLLM -> log
+Design decisions:
+- The algorithm is a handful of pure tensor functions (ALGORITHM banner) selected by name; the rest is
+  plumbing. Semantics follow EasyR1 (../shared/spec/algorithms.md); deviations are stated where made.
+- Each rank generates for its own prompts, so a prompt's group of n responses lives on one rank and
+  group statistics need no communication. Losses are normalised by global counts (all-reduced), so
+  the gradient does not depend on how samples are split over ranks or micro-batches.
+- Sequences are [prompt | response | padding] (right padding): causal attention never looks at the
+  padding, so no attention mask is needed, and response tokens are gathered per sample from the logits.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+import yaml
+from torch.distributed.tensor import DTensor
+
+from data import DataConfig, PromptDataset, PromptLoader, load_rows, shard
+from fsdp_utils import init_distributed, load_sharded_model, save_hf_model, stream_full_weights
+from rewards import RewardConfig, RewardFunction
+from rollout import Rollout, RolloutConfig, vllm_environment
+
+
+@dataclass
+class ActorConfig:
+    model_path: str = "tiny:qwen2"
+    """HF model folder or hub id; `tiny:qwen2`, `tiny:qwen3`, `tiny:llama` build a tiny random model locally."""
+    lr: float = 2e-3
+    """AdamW learning rate (peak)."""
+    weight_decay: float = 1e-2
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; a non-finite norm skips the optimizer step."""
+    warmup_steps: int = 0
+    """Training steps of linear LR warm-up."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """LR schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule: final LR as a fraction of the peak."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on each rank (gradient accumulation over the mini-batch)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["grpo"] = "grpo"
+    """Advantage estimator (see ADVANTAGE_ESTIMATORS)."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: lower bound of the ratio is 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.3
+    """PPO clip: upper bound of the ratio is 1 + clip_ratio_high (EasyR1 default 0.3)."""
+    clip_ratio_dual: float = 3.0
+    """Dual clip: for negative advantages the loss is capped at -A * clip_ratio_dual."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses become one number (token-mean: over every valid token of the mini-batch, all ranks)."""
+    use_kl_loss: bool = True
+    """Add kl_coef * KL(policy || reference) to the loss; False builds no reference model at all."""
+    kl_coef: float = 1e-2
+    """Weight of the KL loss."""
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
+    """KL estimator per token (k1, |k1|, k2, k3)."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 40
+    """Training steps (one rollout batch each)."""
+    rollout_batch_size: int = 32
+    """Prompts per training step, over all ranks."""
+    global_batch_size: int = 32
+    """Prompts per optimizer step, over all ranks (rollout_batch_size / global_batch_size mini-batches)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    val_freq: int = 10
+    """Validate every this many steps (and after the last); 0: never."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    save_final: bool = True
+    """Save the trained model as a Hugging Face folder in the run folder at the end."""
+    output_dir: str = "runs"
+    """Parent folder of run folders (and of the tiny models built for `tiny:*`)."""
+    experiment_name: str = "toy-grpo"
+    """Run folder name: metrics.jsonl and the final model go to output_dir/experiment_name."""
+    seed: int = 1
+    """Seed of the model-side randomness (data order and sampling have their own seeds)."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ==================================================================================================
+# ALGORITHM: pure tensor functions. B = responses, R = response tokens, mask[b, t] = 1 on valid tokens.
+# ==================================================================================================
+
+
+def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """A_i = (R_i - mean_g R) / (std_g R + eps), std with Bessel's correction, per group g of a prompt.
+
+    scores [B], groups [B] (group id of each response) -> advantages [B]. A group of equal scores gets 0.
+    Example: scores [1, 0, 0, 1] in one group: mean 0.5, std 0.577 -> [0.866, -0.866, -0.866, 0.866].
+    """
+    advantages = torch.zeros_like(scores)
+    for g in groups.unique():
+        members = groups == g
+        group_scores = scores[members]
+        if len(group_scores) < 2:
+            raise ValueError("GRPO needs at least 2 responses per prompt: raise --rollout.n")
+        advantages[members] = (group_scores - group_scores.mean()) / (group_scores.std() + eps)
+    return advantages
+
+
+ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages}
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate from d = l - l_ref ([B, R] -> [B, R]).
+
+    kl (k1): d; abs: |d|; mse (k2): d^2 / 2; low_var_kl (k3): x = clamp(l_ref - l, -20, 20),
+    exp(x) - x - 1, clamped to [-10, 10] (unbiased, always >= 0).
+    """
+    d = logprobs - ref_logprobs
+    if kind == "kl":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "mse":
+        return 0.5 * d.square()
+    if kind == "low_var_kl":
+        x = (-d).clamp(-20, 20)
+        return (x.exp() - x - 1).clamp(-10, 10)
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, clip_dual):
+    """Asymmetric PPO clip with dual clip, per token ([B, R] each) -> (loss [B, R], clip fractions).
+
+    r = exp(clamp(l - l_old, -20, 20)); L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
+    where A < 0 also L = min(L, -A * clip_dual) (dual clip bounds the loss of very off-policy tokens).
+    """
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    loss_dual = torch.minimum(loss, -advantages * clip_dual)
+    loss = torch.where(advantages < 0, loss_dual, loss)
+    with torch.no_grad():
+        valid = mask.bool()
+        stats = {
+            "actor/clipfrac_higher": ((ratio > 1 + clip_high) & (advantages > 0) & valid).float(),
+            "actor/clipfrac_lower": ((ratio < 1 - clip_low) & (advantages < 0) & valid).float(),
+            "actor/clipfrac_dual": ((loss_dual < loss_unclipped.maximum(loss_clipped)) & (advantages < 0) & valid).float(),
+        }
+    return loss, stats
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: float, global_sequences: float):
+    """Sum this micro-batch's share of the mini-batch loss, normalised by counts over all ranks.
+
+    token-mean: sum(L m) / tokens; seq-mean-token-mean: sum_i (sum_t L m / sum_t m) / sequences.
+    Summing the shares of every micro-batch on every rank gives the exact mini-batch mean.
+    """
+    if mode == "token-mean":
+        return (loss * mask).sum() / global_tokens
+    if mode == "seq-mean-token-mean":
+        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / global_sequences
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+# ==================================================================================================
+# PLUMBING: batches, log-probs, the update, validation, logging, the loop.
+# ==================================================================================================
+
+
+def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> dict:
+    """Right-padded [prompt | response] sequences plus the response layout used by every loss."""
+    B = len(prompt_ids)
+    T = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+    R = max(1, max(len(r) for r in response_ids))
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)  # [B, T]
+    responses = torch.full((B, R), pad_id, dtype=torch.long)  # [B, R]
+    response_mask = torch.zeros(B, R)  # [B, R]
+    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        responses[b, : len(r)] = torch.tensor(r)
+        response_mask[b, : len(r)] = 1
+    return {
+        "input_ids": input_ids,
+        "position_ids": torch.arange(T).expand(B, T),  # [B, T]; 3-D (mrope) for vision-language models
+        "prompt_lengths": torch.tensor([len(p) for p in prompt_ids]),  # [B]
+        "responses": responses,
+        "response_mask": response_mask,
+    }
+
+
+def select(batch: dict, index) -> dict:
+    return {k: v[index] for k, v in batch.items()}
+
+
+def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    """log pi(response token | everything before it), logits divided by the sampling temperature -> [b, R]."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
+                   use_cache=False).logits  # [b, T, V]
+    R = batch["responses"].shape[1]
+    # response token t of sample b sits at position prompt_length_b + t, predicted from the position before
+    positions = (batch["prompt_lengths"][:, None] - 1 + torch.arange(R)).clamp(max=logits.shape[1] - 1)  # [b, R]
+    logits = logits.gather(1, positions.to(device)[..., None].expand(-1, -1, logits.shape[-1]))  # [b, R, V]
+    logprobs = F.log_softmax(logits.float() / temperature, dim=-1)
+    return logprobs.gather(-1, batch["responses"].to(device)[..., None]).squeeze(-1).cpu()  # [b, R]
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch: dict, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    B = batch["input_ids"].shape[0]
+    return torch.cat([response_logprobs(model, select(batch, slice(i, i + micro_batch_size)), temperature)
+                      for i in range(0, B, micro_batch_size)])
+
+
+def comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, advantages, cfg: Config) -> dict:
+    """PPO epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation)."""
+    algo, world = cfg.algorithm, dist.get_world_size()
+    B = batch["input_ids"].shape[0]
+    mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n // world
+    micro_batch = cfg.actor.micro_batch_size
+    sums: dict[str, float] = {}
+    grad_norms, skipped = [], 0
+    for _ in range(cfg.trainer.ppo_epochs):
+        for start in range(0, B, mini_batch):
+            mask = batch["response_mask"][start : start + mini_batch]
+            global_tokens, global_sequences = all_reduce([mask.sum().item(), mask.shape[0]])
+            for m in range(start, start + mini_batch, micro_batch):
+                index = slice(m, min(m + micro_batch, start + mini_batch))
+                micro, micro_mask = select(batch, index), batch["response_mask"][index]
+                logprobs = response_logprobs(model, micro, cfg.rollout.temperature)  # [b, R]
+                loss, stats = ppo_clip_loss(logprobs, old_logprobs[index], advantages[index], micro_mask,
+                                            algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_dual)
+                stats["actor/pg_loss"] = loss.detach()
+                if algo.use_kl_loss:
+                    kl = kl_penalty(logprobs, ref_logprobs[index], algo.kl_penalty)
+                    loss = loss + algo.kl_coef * kl
+                    stats["actor/kl_loss"] = kl.detach()
+                # FSDP averages gradients over ranks; scaling by the world size turns that into a global sum,
+                # and aggregate() already divides by the global token (or sequence) count.
+                (aggregate(loss, micro_mask, algo.loss_agg_mode, global_tokens, global_sequences) * world).backward()
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + (value * micro_mask).sum().item()
+                sums["tokens"] = sums.get("tokens", 0.0) + micro_mask.sum().item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.max_grad_norm)
+            grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(grad_norm)
+    keys = sorted(k for k in sums if k != "tokens")
+    totals = all_reduce([sums[k] for k in keys] + [sums["tokens"]])
+    metrics = {k: v / totals[-1] for k, v in zip(keys, totals)}
+    metrics.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/skipped_steps": skipped})
+    return metrics
+
+
+def flatten(items: list[dict], groups: list[list]) -> list[tuple[int, dict, object]]:
+    """(prompt index, dataset item, response) for every response, grouped by prompt."""
+    return [(i, item, r) for i, (item, responses) in enumerate(zip(items, groups)) for r in responses]
+
+
+def score(reward_fn: RewardFunction, tokenizer, flat) -> list[dict[str, float]]:
+    return reward_fn([{
+        "response": tokenizer.decode(r.token_ids, skip_special_tokens=True),
+        "response_length": len(r.token_ids),
+        "ground_truth": item["ground_truth"],
+        "prompt": item["prompt"],
+        "row": item["row"],
+        "images": item["images"],
+    } for _, item, r in flat])
+
+
+def score_metrics(prefix: str, scores: list[dict[str, float]], responses) -> dict[str, float]:
+    """Mean/std of every reward key and response-length stats over all ranks."""
+    keys = sorted(scores[0]) if scores else []
+    lengths = [len(r.token_ids) for r in responses]
+    local = [len(scores), sum(lengths), sum(r.truncated for r in responses)]
+    for key in keys:
+        local += [sum(s[key] for s in scores), sum(s[key] ** 2 for s in scores)]
+    totals = all_reduce(local)
+    count = max(totals[0], 1)
+    metrics = {f"{prefix}/response_length_mean": totals[1] / count, f"{prefix}/clip_ratio": totals[2] / count,
+               f"{prefix}/response_length_max": all_reduce([max(lengths, default=0)], dist.ReduceOp.MAX)[0]}
+    for j, key in enumerate(keys):
+        mean = totals[3 + 2 * j] / count
+        metrics[f"{prefix}/reward_{key}"] = mean
+        metrics[f"{prefix}/reward_{key}_std"] = math.sqrt(max(totals[4 + 2 * j] / count - mean**2, 0.0))
+    return metrics
+
+
+def validate(rollout, val_items, step, tokenizer, reward_fn, run_dir: Path) -> dict[str, float]:
+    flat = flatten(val_items, rollout.generate(val_items, step, validation=True))
+    scores = score(reward_fn, tokenizer, flat)
+    if dist.get_rank() == 0:
+        with open(run_dir / "generations.jsonl", "a") as f:
+            for (_, item, response), sample_scores in list(zip(flat, scores))[:4]:
+                f.write(json.dumps({"step": step, "prompt": item["prompt"], "ground_truth": str(item["ground_truth"]),
+                                    "response": tokenizer.decode(response.token_ids, skip_special_tokens=True),
+                                    "score": sample_scores}) + "\n")
+    return score_metrics("val", scores, [r for _, _, r in flat])
+
+
+def lr_lambda(actor: ActorConfig, total_steps: int):
+    def factor(step: int) -> float:
+        if step < actor.warmup_steps:
+            return (step + 1) / actor.warmup_steps
+        if actor.lr_schedule == "constant":
+            return 1.0
+        progress = (step - actor.warmup_steps) / max(1, total_steps - actor.warmup_steps)
+        return actor.min_lr_ratio + (1 - actor.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def resolve_model(model_path: str, output_dir: str) -> str:
+    """`tiny:ARCH` -> a tiny random model built once (by rank 0) under output_dir/models; else unchanged."""
+    if not model_path.startswith("tiny:"):
+        return model_path
+    from tiny import build_tiny_model
+
+    path = Path(output_dir) / "models" / f"tiny-{model_path.removeprefix('tiny:')}"
+    if dist.get_rank() == 0 and not (path / "config.json").exists():
+        tmp = build_tiny_model(model_path.removeprefix("tiny:"), path.with_name(path.name + ".tmp"))
+        tmp.rename(path)
+    dist.barrier()
+    return str(path)
+
+
+def check_config(cfg: Config, world_size: int) -> None:
+    """Fail before anything is loaded, naming the flag to change."""
+    t, n = cfg.trainer, cfg.rollout.n
+    problems = []
+    if t.rollout_batch_size % world_size:
+        problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} must be divisible by the world size {world_size}")
+    if t.rollout_batch_size % t.global_batch_size:
+        problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} must be a multiple of --trainer.global-batch-size {t.global_batch_size}")
+    if (t.global_batch_size * n) % world_size:
+        problems.append(f"--trainer.global-batch-size x --rollout.n ({t.global_batch_size} x {n}) must be divisible by the world size {world_size}")
+    elif (t.global_batch_size * n // world_size) % cfg.actor.micro_batch_size:
+        problems.append(f"--actor.micro-batch-size {cfg.actor.micro_batch_size} must divide the per-rank mini-batch "
+                        f"(global_batch_size x n / world size = {t.global_batch_size * n // world_size} sequences)")
+    if cfg.algorithm.adv_estimator == "grpo" and n < 2:
+        problems.append(f"--rollout.n {n}: GRPO compares responses within a group, it needs n >= 2")
+    if world_size % cfg.rollout.tensor_parallel_size:
+        problems.append(f"--rollout.tensor-parallel-size {cfg.rollout.tensor_parallel_size} must divide the world size {world_size}")
+    if problems:
+        raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def main(cfg: Config) -> None:
+    vllm_environment()
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from transformers import AutoTokenizer
+
+    check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    rank, world, device = init_distributed()
+    torch.manual_seed(cfg.trainer.seed)
+    console = Console(quiet=rank != 0, soft_wrap=True)
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+
+    # ---- data, reward, models, engine ------------------------------------------------------------
+    model_path = resolve_model(cfg.actor.model_path, cfg.trainer.output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train_set = PromptDataset(load_rows(cfg.data.train_files), cfg.data, tokenizer, name=cfg.data.train_files)
+    val_set = (PromptDataset(load_rows(cfg.data.val_files), cfg.data, tokenizer, name=cfg.data.val_files)
+               if cfg.data.val_files else None)
+    console.print(f"data: {len(train_set)} training prompts ({train_set.num_filtered} longer than "
+                  f"{cfg.data.max_prompt_length} tokens dropped), {len(val_set) if val_set else 0} validation prompts")
+    loader = PromptLoader(train_set, cfg.trainer.rollout_batch_size, rank, world, cfg.data.seed, cfg.data.shuffle)
+    val_items = shard(val_set, rank, world) if val_set else []
+    reward_fn = RewardFunction(cfg.reward)
+
+    actor = load_sharded_model(model_path, device, trainable=True, gradient_checkpointing=cfg.actor.gradient_checkpointing)
+    ref = load_sharded_model(model_path, device, trainable=False) if cfg.algorithm.use_kl_loss else None
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.actor.lr, betas=cfg.actor.betas,
+                                  weight_decay=cfg.actor.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.actor, cfg.trainer.total_steps))
+    rollout = Rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length, device)
+    estimator = ADVANTAGE_ESTIMATORS[cfg.algorithm.adv_estimator]
+
+    history: list[dict] = []
+    start_time = time.perf_counter()
+    if val_items and cfg.trainer.val_before_train:
+        console.print("validation before training: " + json.dumps(
+            {k: round(v, 4) for k, v in validate(rollout, val_items, 0, tokenizer, reward_fn, run_dir).items()}))
+    columns = (TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("train", total=cfg.trainer.total_steps)
+        for step in range(1, cfg.trainer.total_steps + 1):
+            timing: dict[str, float] = {}
+            clock = time.perf_counter()
+
+            def lap(name: str) -> None:
+                nonlocal clock
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                timing[f"timing/{name}"] = now - clock
+                clock = now
+
+            # ---- generate + score -------------------------------------------------------------------
+            items = loader.next_batch()
+            groups = rollout.generate(items, step - 1)
+            rollout.sleep()
+            lap("generate")
+            flat = flatten(items, groups)
+            responses = [r for _, _, r in flat]
+            scores = score(reward_fn, tokenizer, flat)
+            lap("reward")
+
+            # ---- log-probs, advantages ----------------------------------------------------------------
+            batch = make_batch([item["prompt_ids"] for _, item, _ in flat], [r.token_ids for r in responses],
+                               tokenizer.pad_token_id)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            mask = batch["response_mask"]
+            old_logprobs = batched_logprobs(actor, batch, cfg.rollout.temperature, cfg.actor.micro_batch_size)
+            lap("old_logprob")
+            ref_logprobs = (batched_logprobs(ref, batch, cfg.rollout.temperature, cfg.actor.micro_batch_size)
+                            if ref is not None else None)
+            lap("ref_logprob")
+            scores_t = torch.tensor([s["overall"] for s in scores], device=device)  # [B]
+            groups_t = torch.tensor([i for i, _, _ in flat], device=device)  # [B]
+            advantages = estimator(scores_t, groups_t)[:, None] * mask  # [B, R]
+
+            # engine vs trainer on the sampled tokens: a stale or mis-synced engine shows up here
+            vllm_logprobs = torch.zeros_like(old_logprobs)
+            for b, r in enumerate(responses):
+                vllm_logprobs[b, : len(r.logprobs)] = torch.tensor(r.logprobs)
+            gap = ((old_logprobs - vllm_logprobs).abs() * mask).sum().item()
+            ratio = ((old_logprobs - vllm_logprobs).clamp(-20, 20).exp() * mask).sum().item()
+            gap_max = ((old_logprobs - vllm_logprobs).abs() * mask).max().item()
+            entropy = (-old_logprobs * mask).sum().item()
+            tokens = mask.sum().item()
+            kl_sum = ((old_logprobs - ref_logprobs) * mask).sum().item() if ref_logprobs is not None else 0.0
+            gap, ratio, entropy, kl_sum, tokens, seq_tokens = all_reduce(
+                [gap, ratio, entropy, kl_sum, tokens, batch["input_ids"].numel()])
+
+            # ---- update ------------------------------------------------------------------------------
+            metrics = update_policy(actor, optimizer, batch, old_logprobs, ref_logprobs, advantages, cfg)
+            scheduler.step()
+            lap("update")
+
+            # ---- sync the engine ---------------------------------------------------------------------
+            rollout.sync_weights(stream_full_weights(actor, rollout.dtype), version=step)
+            lap("sync")
+
+            # ---- validate, log -------------------------------------------------------------------------
+            metrics.update(score_metrics("train", scores, responses))
+            metrics.update({
+                "rollout/logprob_diff_mean": gap / tokens, "rollout/is_ratio_mean": ratio / tokens,
+                "rollout/logprob_diff_max": all_reduce([gap_max], dist.ReduceOp.MAX)[0],
+                "actor/entropy_proxy": entropy / tokens, "actor/kl_ref": kl_sum / tokens,
+                "actor/lr": scheduler.get_last_lr()[0],
+            })
+            if val_items and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or step == cfg.trainer.total_steps):
+                metrics.update(validate(rollout, val_items, step, tokenizer, reward_fn, run_dir))
+                lap("validate")
+            step_time = sum(timing.values())
+            metrics.update(timing)
+            metrics.update({"timing/step": step_time, "perf/tokens_per_s": seq_tokens / step_time,
+                            "perf/peak_memory_gib": all_reduce([peak_memory_gib(device)], dist.ReduceOp.MAX)[0]})
+            history.append({"step": step, **metrics})
+            if rank == 0:
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(history[-1]) + "\n")
+            progress.console.print(
+                f"step {step:>4} | reward {metrics['train/reward_overall']:.3f} | len {metrics['train/response_length_mean']:.1f} "
+                f"| kl {metrics['actor/kl_ref']:.4f} | grad {metrics['actor/grad_norm']:.3f} "
+                f"| vllm gap {metrics['rollout/logprob_diff_mean']:.1e} | {step_time:.2f}s"
+                + (f" | val {metrics['val/reward_overall']:.3f}" if "val/reward_overall" in metrics else ""))
+            progress.advance(task)
+
+    if cfg.trainer.save_final:
+        save_hf_model(actor, tokenizer, run_dir / "final")
+    first = history[0]["train/reward_overall"]
+    last = sum(h["train/reward_overall"] for h in history[-5:]) / len(history[-5:])
+    console.print(f"done: {len(history)} steps in {time.perf_counter() - start_time:.0f}s; train reward "
+                  f"{first:.3f} (step 1) -> {last:.3f} (mean of the last {len(history[-5:])} steps); run folder {run_dir}")
+    dist.barrier()
+
+
+def parse_config(argv: list[str]) -> Config:
+    """`[PRESET] [--flags]`: a preset is a YAML file (or its name in configs/) overriding the defaults."""
+    default = Config()
+    if argv and not argv[0].startswith("-"):
+        name, argv = argv[0], argv[1:]
+        path = Path(name) if name.endswith((".yaml", ".yml")) else Path(__file__).parent / "configs" / f"{name}.yaml"
+        if not path.exists():
+            presets = sorted(p.stem for p in (Path(__file__).parent / "configs").glob("*.yaml"))
+            raise SystemExit(f"unknown preset {name!r}: choose one of {presets} or give a path to a .yaml file")
+        default = override(default, yaml.safe_load(path.read_text()) or {}, str(path))
+    return tyro.cli(Config, default=default, args=argv)
+
+
+def override(config, changes: dict, where: str):
+    """Recursively replace dataclass fields with a preset's values, rejecting unknown keys."""
+    updates = {}
+    for key, value in changes.items():
+        if not hasattr(config, key):
+            raise SystemExit(f"{where}: unknown key {key!r}; valid keys: {[f.name for f in dataclasses.fields(config)]}")
+        current = getattr(config, key)
+        updates[key] = override(current, value, f"{where}:{key}") if dataclasses.is_dataclass(current) else value
+    return dataclasses.replace(config, **updates)
+
+
+if __name__ == "__main__":
+    main(parse_config(sys.argv[1:]))

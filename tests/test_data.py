@@ -1,0 +1,240 @@
+"""data.py: loading files, folders and the toy task, prompt rendering, clear errors, and the resumable loader."""
+
+import json
+
+import datasets
+import pytest
+
+from data import DataConfig, PromptDataset, PromptLoader, load_rows, shard, toy_rows
+from tiny import build_tokenizer
+
+MATH_SUFFIX = (" You first think about the reasoning process as an internal monologue and then provide the final"
+               " answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer"
+               " MUST BE put in \\boxed{}.")
+ROWS = [
+    {"question": "What is 2 + 3?", "solution": "5", "source": "arith"},
+    {"question": "  What is 7 * 6?\n", "solution": "42", "source": "arith"},
+    {"question": "Name the first prime.", "solution": "2", "source": "primes"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def custom_keys(**overrides) -> DataConfig:
+    return DataConfig(prompt_key="question", answer_key="solution", **overrides)
+
+
+# ---------------------------------------------------------------- loading and rendering
+
+
+def test_toy_rows():
+    train, test = toy_rows("train"), toy_rows("test")
+    assert len(train) == 1024 and train == toy_rows("train")  # seeded
+    assert {row["answer"] for row in train} == {str(d) for d in range(10)}
+    assert test[0] == {"problem": "zero", "answer": "0"} and test[7] == {"problem": "seven", "answer": "7"}
+    assert [row["answer"] for row in test] == [str(d) for d in range(10)]
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    assert all(words[int(row["answer"])] == row["problem"] for row in train)
+    with pytest.raises(ValueError, match="'validation'"):
+        toy_rows("validation")
+
+
+def test_toy_dataset_item(tokenizer):
+    dataset = PromptDataset(load_rows("toy@test"), DataConfig(), tokenizer, "toy@test")
+    item = dataset[7]
+    assert item["prompt"] == chat("seven")
+    assert tokenizer.decode(item["prompt_ids"]) == item["prompt"]
+    assert item["prompt_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert (item["ground_truth"], item["row"], item["images"]) == ("7", {"problem": "seven", "answer": "7"}, [])
+    assert len(dataset) == 10 and dataset.num_filtered == 0
+    assert len(load_rows("toy")) == 1024
+
+
+def test_parquet_custom_keys_and_format_prompt(tmp_path, tokenizer, monkeypatch):
+    path = tmp_path / "math.parquet"
+    datasets.Dataset.from_list(ROWS).to_parquet(str(path))
+    monkeypatch.chdir(tmp_path)  # templates/math.jinja is found next to data.py from any directory
+    cfg = custom_keys(format_prompt="templates/math.jinja", max_prompt_length=1000)
+    dataset = PromptDataset(load_rows(str(path)), cfg, tokenizer, str(path))
+    assert len(dataset) == 3
+    item = dataset[1]
+    assert item["prompt"] == chat("What is 7 * 6?" + MATH_SUFFIX)  # `| trim` strips the prompt
+    assert tokenizer.decode(item["prompt_ids"]) == item["prompt"]
+    assert item["ground_truth"] == "42"
+    assert item["row"] == ROWS[1] and item["images"] == []
+
+
+def test_jsonl_answers_of_any_type(tmp_path, tokenizer):
+    rows = [{"question": "sum?", "solution": 5, "meta": {"level": 1}},
+            {"question": "roots?", "solution": [1, 2], "meta": {"level": 3}}]
+    path = write_jsonl(tmp_path / "data.jsonl", rows)
+    dataset = PromptDataset(load_rows(str(path)), custom_keys(), tokenizer, "data")
+    assert [dataset[i]["ground_truth"] for i in range(2)] == [5, [1, 2]]
+    assert dataset[1]["row"] == rows[1]
+    assert dataset[0]["prompt"] == chat("sum?")
+
+
+def test_r1v_template(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "data.jsonl", ROWS[:1])
+    cfg = custom_keys(format_prompt="templates/r1v.jinja", max_prompt_length=1000)
+    prompt = PromptDataset(load_rows(str(path)), cfg, tokenizer, "data")[0]["prompt"]
+    assert prompt.startswith("<|im_start|>user\nWhat is 2 + 3? A conversation between User and Assistant.")
+    assert prompt.endswith("<think> reasoning process here </think><answer> answer here </answer><|im_end|>\n"
+                           "<|im_start|>assistant\n")
+
+
+def test_folder_and_splits(tmp_path):
+    folder = tmp_path / "math"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", ROWS)
+    write_jsonl(folder / "test.jsonl", ROWS[:1])
+    assert len(load_rows(str(folder))) == 3  # split defaults to train
+    assert load_rows(f"{folder}@test")["question"] == [ROWS[0]["question"]]
+    with pytest.raises(ValueError, match="validation") as error:
+        load_rows(f"{folder}@validation")
+    assert str(folder) in str(error.value)
+
+
+def test_a_single_file_is_its_split(tmp_path):
+    path = write_jsonl(tmp_path / "val.jsonl", ROWS)
+    assert len(load_rows(str(path))) == 3
+    with pytest.raises(ValueError, match="drop '@test'"):
+        load_rows(f"{path}@test")
+
+
+def test_images_pass_through(tmp_path, tokenizer):
+    rows = [{"problem": "count <image>", "answer": "3", "images": ["a.png", "b.png"]},
+            {"problem": "text only", "answer": "1", "images": None}]
+    dataset = PromptDataset(load_rows(str(write_jsonl(tmp_path / "vqa.jsonl", rows))), DataConfig(), tokenizer, "vqa")
+    assert dataset[0]["images"] == ["a.png", "b.png"] and dataset[1]["images"] == []
+
+
+def test_overlong_prompts_are_dropped(tmp_path, tokenizer):
+    rows = [{"question": "x" * length, "solution": str(length)} for length in (5, 50, 10, 80)]
+    rows_ = load_rows(str(write_jsonl(tmp_path / "lengths.jsonl", rows)))
+    overhead = len(tokenizer(chat(""), add_special_tokens=False)["input_ids"])  # + 1 token per character
+    dataset = PromptDataset(rows_, custom_keys(max_prompt_length=overhead + 10), tokenizer, "lengths")
+    assert dataset.num_filtered == 2
+    assert [dataset[i]["ground_truth"] for i in range(len(dataset))] == ["5", "10"]
+    assert all(len(dataset[i]["prompt_ids"]) <= overhead + 10 for i in range(len(dataset)))
+    with pytest.raises(ValueError, match="raise --data.max-prompt-length"):
+        PromptDataset(rows_, custom_keys(max_prompt_length=overhead + 1), tokenizer, "lengths")
+
+
+# ---------------------------------------------------------------- errors a user can act on
+
+
+def test_missing_key_names_key_dataset_and_columns(tmp_path, tokenizer):
+    rows = load_rows(str(write_jsonl(tmp_path / "data.jsonl", ROWS)))
+    with pytest.raises(ValueError) as error:
+        PromptDataset(rows, DataConfig(), tokenizer, "my-data")  # default prompt_key "problem"
+    message = str(error.value)
+    for expected in ("'problem'", "'my-data'", "'question'", "'solution'", "'source'", "--data.prompt-key"):
+        assert expected in message
+    with pytest.raises(ValueError, match="'answer'.*--data.answer-key"):
+        PromptDataset(rows, DataConfig(prompt_key="question"), tokenizer, "my-data")
+
+
+def test_non_string_prompt_names_row_and_key(tmp_path, tokenizer):
+    rows = [{"question": "fine", "solution": "1"}, {"question": None, "solution": "2"}]
+    with pytest.raises(ValueError, match=r"'bad', row 1: column 'question'"):
+        PromptDataset(load_rows(str(write_jsonl(tmp_path / "bad.jsonl", rows))), custom_keys(), tokenizer, "bad")
+
+
+def test_missing_paths(tmp_path, tokenizer):
+    for missing in (tmp_path / "nope.parquet", tmp_path / "no_folder", "data/nope.jsonl"):
+        with pytest.raises(FileNotFoundError, match=str(missing)):
+            load_rows(str(missing))
+    with pytest.raises(FileNotFoundError, match="templates/nope.jinja.*--data.format-prompt.*templates/math.jinja"):
+        PromptDataset(load_rows("toy@test"), DataConfig(format_prompt="templates/nope.jinja"), tokenizer, "toy")
+
+
+def test_corrupt_parquet(tmp_path):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"this is not a parquet file")
+    with pytest.raises(ValueError, match="broken.parquet") as error:
+        load_rows(str(path))
+    assert error.value.__cause__ is not None
+
+
+def test_unreachable_hub_dataset(monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # what an offline machine sees, without the retries
+    with pytest.raises(RuntimeError, match="'someone/math12k'.*offline.*local file"):
+        load_rows("someone/math12k@test")
+
+
+# ---------------------------------------------------------------- the loader
+
+
+def test_two_ranks_cover_each_global_batch_once():
+    data = list(range(24))
+    ranks = [PromptLoader(data, batch_size=8, rank=r, world_size=2, seed=3, shuffle=True) for r in range(2)]
+    seen = []
+    for _ in range(3):  # one epoch
+        first, second = (loader.next_batch() for loader in ranks)
+        assert len(first) == len(second) == 4 and not set(first) & set(second)
+        seen += first + second
+    assert sorted(seen) == data and seen != data  # every prompt once, shuffled
+    assert all(loader.epoch == 0 for loader in ranks)
+
+
+def test_epochs_reshuffle_and_drop_the_incomplete_batch():
+    loader = PromptLoader(list(range(10)), batch_size=4, rank=0, world_size=1, seed=0, shuffle=True)
+    epoch0 = loader.next_batch() + loader.next_batch()  # 2 prompts left over: dropped
+    epoch1 = loader.next_batch() + loader.next_batch()
+    assert loader.epoch == 1 and epoch0 != epoch1
+    assert len(set(epoch0)) == len(set(epoch1)) == 8
+    ordered = PromptLoader(list(range(10)), batch_size=4, rank=1, world_size=2, seed=0, shuffle=False)
+    assert [ordered.next_batch() for _ in range(3)] == [[2, 3], [6, 7], [2, 3]]
+
+
+def test_same_seed_same_order():
+    def batches(seed):
+        loader = PromptLoader(list(range(50)), batch_size=10, rank=0, world_size=1, seed=seed, shuffle=True)
+        return [loader.next_batch() for _ in range(12)]
+
+    assert batches(1) == batches(1) and batches(1) != batches(2)
+
+
+def test_resume_gives_the_identical_next_batch(tokenizer):
+    dataset = PromptDataset(load_rows("toy@test"), DataConfig(), tokenizer, "toy@test")
+    run = PromptLoader(dataset, batch_size=4, rank=1, world_size=2, seed=5, shuffle=True)
+    for _ in range(5):  # into epoch 2
+        run.next_batch()
+    state = run.state_dict()
+    assert state == {"epoch": 2, "position": 4}
+    resumed = PromptLoader(dataset, batch_size=4, rank=1, world_size=2, seed=5, shuffle=True)
+    resumed.load_state_dict(state)
+    for _ in range(4):
+        assert resumed.next_batch() == run.next_batch()
+    # the state counts global prompts: one rank resuming a 2-rank run gets both ranks' shares
+    two = [PromptLoader(list(range(30)), batch_size=6, rank=r, world_size=2, seed=0, shuffle=True) for r in range(2)]
+    for _ in range(7):
+        [loader.next_batch() for loader in two]
+    one = PromptLoader(list(range(30)), batch_size=6, rank=0, world_size=1, seed=0, shuffle=True)
+    one.load_state_dict(two[0].state_dict())
+    assert one.next_batch() == two[0].next_batch() + two[1].next_batch()
+
+
+def test_loader_errors():
+    with pytest.raises(ValueError, match="batch of 6 prompts .* 4 ranks"):
+        PromptLoader(list(range(100)), batch_size=6, rank=0, world_size=4, seed=0, shuffle=True)
+    with pytest.raises(ValueError, match="has 5 prompts.*batch of 8"):
+        PromptLoader(list(range(5)), batch_size=8, rank=0, world_size=1, seed=0, shuffle=True)
+
+
+def test_shard():
+    shards = [shard(list(range(10)), rank, 3) for rank in range(3)]
+    assert shards == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]

@@ -1,0 +1,246 @@
+"""Rewards: built-ins on hand-written responses (expected numbers computed by hand), user reward files
+loaded by path with kwargs, and every malformed result caught with a message naming the culprit."""
+
+import threading
+
+import pytest
+import tyro
+
+from rewards import RewardConfig, RewardError, RewardFunction, math, r1v, toy
+
+
+def sample(response: str, ground_truth="7") -> dict:
+    row = {"problem": "what is 3 + 4?", "answer": ground_truth}
+    return dict(response=response, response_length=len(response.split()), ground_truth=ground_truth,
+                prompt="user: what is 3 + 4?\nassistant:", row=row, images=[])
+
+
+def scores(function: str, responses: list[str], ground_truth="7", **config) -> list[dict[str, float]]:
+    reward = RewardFunction(RewardConfig(function, **config))
+    return reward([sample(r, ground_truth) for r in responses])
+
+
+# ----- built-ins -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("response, accuracy, exact, overall", [
+    ("7", 1.0, 1.0, 1.0),
+    (" 7 \n", 1.0, 1.0, 1.0),
+    ("77", 1.0, 0.0, 0.5),
+    ("8", 0.0, 0.0, 0.0),
+    ("", 0.0, 0.0, 0.0),
+])
+def test_toy(response, accuracy, exact, overall):
+    assert toy(sample(response, "7")) == {"overall": overall, "accuracy": accuracy, "exact": exact}
+
+
+@pytest.mark.parametrize("response, format_, accuracy, overall", [
+    ("<think>3 + 4</think> The answer is \\boxed{7}.", 1.0, 1.0, 1.0),
+    ("<think>3 + 4</think> The answer is \\boxed{8}.", 1.0, 0.0, 0.1),  # 0.9 * 0 + 0.1 * 1
+    ("The answer is \\boxed{7}.", 0.0, 1.0, 0.9),  # right answer, no <think>: 0.9 * 1 + 0.1 * 0
+    ("<think>3 + 4</think> The answer is 7.", 0.0, 0.0, 0.0),  # nothing boxed
+    ("<think>\\boxed{8}</think> so \\boxed{7}", 1.0, 1.0, 1.0),  # the last box counts
+    ("<think>3 + 4</think> \\boxed{7", 0.0, 0.0, 0.0),  # cut off mid-box
+])
+def test_math(response, format_, accuracy, overall):
+    result = math(sample(response, "7"))
+    assert result == {"overall": pytest.approx(overall), "format": format_, "accuracy": accuracy}
+
+
+@pytest.mark.parametrize("boxed, ground_truth", [
+    ("\\frac{1}{2}", "0.5"), ("\\frac{1}{2}", "1/2"), ("0.5", "\\frac{1}{2}"), ("\\dfrac12", "1/2"),
+    ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"),  # nested braces inside the box
+    ("x + 1", "1 + x"), ("7", 7),  # ground truth need not be a string
+])
+def test_math_grades_equivalent_answers(boxed, ground_truth):
+    response = f"<think>...</think> \\boxed{{{boxed}}}"
+    assert math(sample(response, ground_truth)) == {"overall": 1.0, "format": 1.0, "accuracy": 1.0}
+
+
+@pytest.mark.parametrize("boxed", ["\\frac{1}{3}", "0.49", "", "\\frac{", "}}{{\\left(", "a" * 500])
+def test_math_wrong_or_garbage_answers_score_zero(boxed):
+    response = f"<think>...</think> \\boxed{{{boxed}}}"
+    assert math(sample(response, "1/2"))["accuracy"] == 0.0
+
+
+def test_math_format_weight_kwarg():
+    # right answer, no <think>: (1 - 0.2) * 1 + 0.2 * 0 = 0.8
+    [result] = scores("math", ["\\boxed{7}"], kwargs={"format_weight": 0.2})
+    assert result == {"overall": pytest.approx(0.8), "format": 0.0, "accuracy": 1.0}
+
+
+def test_math_grading_works_outside_the_main_thread():
+    # math_verify's signal-based timeout raises in other threads; we must grade there without one
+    results = []
+    thread = threading.Thread(target=lambda: results.append(math(sample("<think></think>\\boxed{0.5}", "1/2"))))
+    thread.start()
+    thread.join()
+    assert results == [{"overall": 1.0, "format": 1.0, "accuracy": 1.0}]
+
+
+@pytest.mark.parametrize("response, format_, accuracy, overall", [
+    ("<think>count them</think> <answer>3</answer>", 1.0, 1.0, 1.0),
+    ("<think>count them</think>\n<answer> 3 </answer>", 1.0, 1.0, 1.0),
+    ("<think>count them</think><answer>4</answer>", 1.0, 0.0, 0.5),
+    ("<answer>3</answer>", 0.0, 1.0, 0.5),  # no <think>
+    ("<think>a</think> <answer>3</answer> trailing", 0.0, 1.0, 0.5),  # text after </answer>
+    ("<think>count them</think> <answer>3.0</answer>", 1.0, 1.0, 1.0),  # graded mathematically
+    ("3", 0.0, 1.0, 0.5),  # no tags: the whole response is graded, as in EasyR1
+    ("", 0.0, 0.0, 0.0),
+])
+def test_r1v(response, format_, accuracy, overall):
+    assert r1v(sample(response, "3")) == {"overall": overall, "format": format_, "accuracy": accuracy}
+
+
+def test_r1v_non_numeric_answer_compared_as_string():
+    assert r1v(sample("<think>look</think><answer>cat</answer>", "cat"))["accuracy"] == 1.0
+    assert r1v(sample("<think>look</think><answer>dog</answer>", "cat"))["accuracy"] == 0.0
+
+
+def test_builtins_through_reward_function_return_floats_with_fixed_keys():
+    results = scores("toy", ["7", "8", " 77"])
+    assert results == [
+        {"overall": 1.0, "accuracy": 1.0, "exact": 1.0},
+        {"overall": 0.0, "accuracy": 0.0, "exact": 0.0},
+        {"overall": 0.5, "accuracy": 1.0, "exact": 0.0},
+    ]
+    assert all(type(v) is float for r in results for v in r.values())
+
+
+# ----- config ----------------------------------------------------------------------------------------
+
+def test_tyro_parses_kwargs_with_their_types():
+    args = ["--kwargs", "format_weight", "0.2", "n", "3", "strict", "False", "name", "abc", "--batch"]
+    config = tyro.cli(RewardConfig, args=args)
+    assert config.kwargs == {"format_weight": 0.2, "n": 3, "strict": False, "name": "abc"}
+    assert type(config.kwargs["n"]) is int and config.batch
+
+
+def test_unknown_kwarg_fails_at_start_up():
+    with pytest.raises(RewardError, match="format_weigth"):
+        RewardFunction(RewardConfig("math", kwargs={"format_weigth": 0.2}))
+    with pytest.raises(RewardError, match="toy"):
+        RewardFunction(RewardConfig("toy", kwargs={"format_weight": 0.2}))
+
+
+def test_builtin_with_batch_flag_fails_at_start_up():
+    with pytest.raises(RewardError, match="--reward.batch"):
+        RewardFunction(RewardConfig("math", batch=True))
+
+
+# ----- user reward files -----------------------------------------------------------------------------
+
+USER_REWARDS = '''
+def per_sample(inp, bonus=0.0, scale=1):
+    length = float(inp["response_length"])
+    return {"overall": scale * len(inp["response"]) + bonus, "length": length, "has_row": "answer" in inp["row"]}
+
+def batch(inputs, bonus=0.0):
+    return [{"overall": i + bonus, "prompt_len": len(x["prompt"])} for i, x in enumerate(inputs)]
+
+def raises(inp):
+    raise ZeroDivisionError("boom")
+
+def batch_raises(inputs):
+    raise ValueError("reward model unreachable")
+
+def no_overall(inp):
+    return {"accuracy": 1.0}
+
+def nan(inp):
+    return {"overall": float("nan")}
+
+def infinite(inp):
+    return {"overall": float("inf")}
+
+def not_a_number(inp):
+    return {"overall": "1.0"}
+
+def not_a_dict(inp):
+    return 1.0
+
+def keys_change(inp):
+    return {"overall": 1.0, inp["response"]: 1.0}
+
+def short_batch(inputs):
+    return [{"overall": 1.0}] * (len(inputs) - 1)
+
+def batch_not_a_list(inputs):
+    return {"overall": 1.0}
+
+not_callable = 3
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(USER_REWARDS)
+    return str(path)
+
+
+def test_user_per_sample_reward_gets_kwargs_and_the_whole_input(user_file):
+    reward = RewardFunction(RewardConfig(f"{user_file}:per_sample", kwargs={"bonus": 0.5, "scale": 2}))
+    assert reward.name == f"{user_file}:per_sample"
+    # "ab": 2 * 2 + 0.5; "abcd e": 2 * 6 + 0.5, two words
+    assert reward([sample("ab"), sample("abcd e")]) == [
+        {"overall": 4.5, "length": 1.0, "has_row": 1.0},
+        {"overall": 12.5, "length": 2.0, "has_row": 1.0},
+    ]
+
+
+def test_user_batch_reward_gets_the_list_and_kwargs(user_file):
+    reward = RewardFunction(RewardConfig(f"{user_file}:batch", kwargs={"bonus": 10.0}, batch=True))
+    prompt_len = len(sample("")["prompt"])
+    assert reward([sample("a"), sample("b"), sample("c")]) == [
+        {"overall": 10.0 + i, "prompt_len": float(prompt_len)} for i in range(3)
+    ]
+
+
+def test_raising_reward_names_function_sample_response_and_ground_truth(user_file):
+    reward = RewardFunction(RewardConfig(f"{user_file}:raises"))
+    with pytest.raises(RewardError) as info:
+        reward([sample("x" * 200, "42")])
+    message = str(info.value)
+    assert f"{user_file}:raises" in message and "sample 0" in message and "ZeroDivisionError" in message
+    assert "xxxxx" in message and "x" * 100 not in message and "'42'" in message
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_raising_batch_reward_is_chained(user_file):
+    reward = RewardFunction(RewardConfig(f"{user_file}:batch_raises", batch=True))
+    with pytest.raises(RewardError, match="batch_raises.*unreachable.*2 samples") as info:
+        reward([sample("a"), sample("b")])
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize("function, expected", [
+    ("no_overall", "'overall'"),
+    ("nan", "overall=nan"),
+    ("infinite", "overall=inf"),
+    ("not_a_number", "overall='1.0'"),
+    ("not_a_dict", "returned 1.0"),
+    ("keys_change", "sample 1"),
+])
+def test_malformed_results_are_rejected(user_file, function, expected):
+    reward = RewardFunction(RewardConfig(f"{user_file}:{function}"))
+    with pytest.raises(RewardError) as info:
+        reward([sample("7"), sample("8")])
+    assert function in str(info.value) and expected in str(info.value)
+
+
+@pytest.mark.parametrize("function", ["short_batch", "batch_not_a_list"])
+def test_batch_result_of_wrong_length_is_rejected(user_file, function):
+    reward = RewardFunction(RewardConfig(f"{user_file}:{function}", batch=True))
+    with pytest.raises(RewardError, match=f"{function}.*for 3 samples"):
+        reward([sample("a"), sample("b"), sample("c")])
+
+
+def test_missing_file_function_or_builtin_is_a_clear_error(user_file, tmp_path):
+    with pytest.raises(RewardError, match="nowhere.py"):
+        RewardFunction(RewardConfig(f"{tmp_path}/nowhere.py:fn"))
+    with pytest.raises(RewardError, match="no 'missing'"):
+        RewardFunction(RewardConfig(f"{user_file}:missing"))
+    with pytest.raises(RewardError, match="not_callable is a int"):
+        RewardFunction(RewardConfig(f"{user_file}:not_callable"))
+    with pytest.raises(RewardError, match="unknown reward 'maths'.*toy, math, r1v"):
+        RewardFunction(RewardConfig("maths"))
