@@ -12,7 +12,7 @@ Dataset format: one row per prompt; the column names are flags (--data.prompt-ke
   vision-language models; passed through as is (not decoded or resized here yet).
 
 Where the rows come from (`name[@split]`, split `train` unless given):
-    toy                      the built-in task "digit names" (toy_rows): splits train and test
+    toy                      the built-in task "most common digit" (toy_rows): splits train and test
     data/math12k.parquet     one parquet, json, jsonl or csv file: the file is the split (no @split)
     data/math12k@test        a folder of such files, split by file name (train.jsonl, test-0000.parquet)
     hiyouga/math12k@test     a Hugging Face Hub dataset id (needs the network or a filled HF cache)
@@ -37,7 +37,6 @@ import jinja2
 
 FILE_TYPES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 TEMPLATES = Path(__file__).parent / "templates"
-DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
 @dataclass
@@ -66,20 +65,22 @@ class DataConfig:
 
 
 def toy_rows(split: str) -> list[dict]:
-    """The built-in task "digit names": the prompt is a digit written as an English word, the answer the digit.
+    """The built-in task "most common digit": the prompt is 7 digits, 4 of them the same; answer that digit.
 
-    train: 1024 digits drawn uniformly with random.Random(0); test: each digit once, in order.
-    >>> toy_rows("test")[7]
-    {'problem': 'seven', 'answer': '7'}
+    train: 1024 rows from random.Random(0); test: 50 rows from random.Random(1).
+    >>> toy_rows("test")[0]
+    {'problem': '2221512', 'answer': '2'}
     """
-    if split == "train":
-        rng = random.Random(0)
-        digits = [rng.randrange(10) for _ in range(1024)]
-    elif split == "test":
-        digits = list(range(10))
-    else:
+    if split not in ("train", "test"):
         raise ValueError(f"the toy dataset has the splits 'train' and 'test', not {split!r}")
-    return [{"problem": DIGIT_NAMES[digit], "answer": str(digit)} for digit in digits]
+    rng = random.Random(0 if split == "train" else 1)
+    rows = []
+    for _ in range(1024 if split == "train" else 50):
+        answer = rng.randrange(10)
+        digits = [answer] * 4 + [rng.choice([d for d in range(10) if d != answer]) for _ in range(3)]
+        rng.shuffle(digits)
+        rows.append({"problem": "".join(map(str, digits)), "answer": str(answer)})
+    return rows
 
 
 def parse_spec(spec: str) -> tuple[str, str | None]:

@@ -46,7 +46,7 @@ from rollout import Rollout, RolloutConfig, vllm_environment
 class ActorConfig:
     model_path: str = "tiny:qwen2"
     """HF model folder or hub id; `tiny:qwen2`, `tiny:qwen3`, `tiny:llama` build a tiny random model locally."""
-    lr: float = 2e-3
+    lr: float = 1e-3
     """AdamW learning rate (peak)."""
     weight_decay: float = 1e-2
     """AdamW weight decay."""
@@ -60,7 +60,7 @@ class ActorConfig:
     """LR schedule after warm-up."""
     min_lr_ratio: float = 0.0
     """Cosine schedule: final LR as a fraction of the peak."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = 64
     """Sequences per forward/backward on each rank (gradient accumulation over the mini-batch)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
@@ -80,15 +80,15 @@ class AlgorithmConfig:
     """How per-token losses become one number (token-mean: over every valid token of the mini-batch, all ranks)."""
     use_kl_loss: bool = True
     """Add kl_coef * KL(policy || reference) to the loss; False builds no reference model at all."""
-    kl_coef: float = 1e-2
-    """Weight of the KL loss."""
+    kl_coef: float = 0.1
+    """Weight of the KL loss (EasyR1 uses 1e-2; the built-in task needs the stronger pull to keep exploring)."""
     kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
     """KL estimator per token (k1, |k1|, k2, k3)."""
 
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 40
+    total_steps: int = 120
     """Training steps (one rollout batch each)."""
     rollout_batch_size: int = 32
     """Prompts per training step, over all ranks."""
@@ -96,7 +96,7 @@ class TrainerConfig:
     """Prompts per optimizer step, over all ranks (rollout_batch_size / global_batch_size mini-batches)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
-    val_freq: int = 10
+    val_freq: int = 20
     """Validate every this many steps (and after the last); 0: never."""
     val_before_train: bool = True
     """Validate once before the first step."""

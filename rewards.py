@@ -61,14 +61,17 @@ class RewardError(Exception):
 # ---------------------------------------------------------------------------------------------------
 
 def toy(inp: RewardInput) -> dict[str, float]:
-    """The synthetic task's reward: does the response give the short ground truth, and nothing else?
+    """The built-in task's reward: the right digit first (accuracy), and then stopping right there (concise).
 
-    ground truth "7": "7" -> overall 1.0; " 77" -> accuracy 1, exact 0, overall 0.5; "8" -> 0.0.
+    overall = 0.5 accuracy + 0.5 accuracy * concise; accuracy: the stripped response starts with the
+    answer; concise: it is exactly as long as the answer (the model emitted EOS right after it). Stopping
+    only pays once the digit is right, so the model first learns the task, then to stop.
+    ground truth "7": "7" -> 1.0; "77" -> 0.5 (right, did not stop); "8" -> 0.0; "" -> 0.0.
     """
     response, answer = inp["response"].strip(), str(inp["ground_truth"])
     accuracy = float(response.startswith(answer))
-    exact = float(response == answer)
-    return {"overall": 0.5 * accuracy + 0.5 * exact, "accuracy": accuracy, "exact": exact}
+    concise = float(len(response) == len(answer))
+    return {"overall": 0.5 * accuracy + 0.5 * accuracy * concise, "accuracy": accuracy, "concise": concise}
 
 
 def math(inp: RewardInput, format_weight: float = 0.1) -> dict[str, float]:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 @dataclass
 class RolloutConfig:
-    n: int = 8
+    n: int = 16
     """Responses sampled per prompt (the group size)."""
     temperature: float = 1.0
     """Sampling temperature (the trainer divides its logits by the same value)."""
@@ -36,7 +36,7 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     top_k: int = -1
     """Top-k sampling (-1: off)."""
-    max_response_length: int = 8
+    max_response_length: int = 4
     """Maximum tokens generated per response."""
     val_n: int = 1
     """Responses per prompt during validation."""
@@ -91,6 +91,11 @@ class Rollout:
             enable_prefix_caching=False,
             **memory,
         )
+        # Ranks sharing an engine (tensor parallelism) must submit identical requests: they pool their prompts.
+        tp, self.tp_group = cfg.tensor_parallel_size, None
+        if tp > 1:  # every rank creates every group, in the same order (new_group is collective)
+            groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, dist.get_world_size(), tp)]
+            self.tp_group = groups[dist.get_rank() // tp]
         self.weights_version = 0  # the training step whose weights the engine holds (0: the checkpoint)
         self.asleep = False
         self.sleep()
@@ -151,7 +156,13 @@ class Rollout:
             seed=None,
         )
         requests = [_vllm_prompt(p) for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        mine = slice(0, len(requests))
+        if self.tp_group is not None:
+            pooled = [None] * self.cfg.tensor_parallel_size
+            dist.all_gather_object(pooled, requests, group=self.tp_group)
+            first = sum(len(part) for part in pooled[: dist.get_rank() % self.cfg.tensor_parallel_size])
+            requests, mine = [r for part in pooled for r in part], slice(first, first + len(requests))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
         return [[Response(token_ids=list(o.token_ids),
                           logprobs=[next(iter(step.values())).logprob for step in o.logprobs],
                           truncated=o.finish_reason == "length")

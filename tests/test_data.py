@@ -43,22 +43,23 @@ def test_toy_rows():
     train, test = toy_rows("train"), toy_rows("test")
     assert len(train) == 1024 and train == toy_rows("train")  # seeded
     assert {row["answer"] for row in train} == {str(d) for d in range(10)}
-    assert test[0] == {"problem": "zero", "answer": "0"} and test[7] == {"problem": "seven", "answer": "7"}
-    assert [row["answer"] for row in test] == [str(d) for d in range(10)]
-    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-    assert all(words[int(row["answer"])] == row["problem"] for row in train)
+    assert len(test) == 50 and test[0] == {"problem": "2221512", "answer": "2"}
+    for row in train + test:  # 7 digits, the answer 4 times, no other digit as often
+        digits = row["problem"]
+        assert len(digits) == 7 and digits.count(row["answer"]) == 4
+        assert all(digits.count(d) < 4 for d in digits if d != row["answer"])
     with pytest.raises(ValueError, match="'validation'"):
         toy_rows("validation")
 
 
 def test_toy_dataset_item(tokenizer):
     dataset = PromptDataset(load_rows("toy@test"), DataConfig(), tokenizer, "toy@test")
-    item = dataset[7]
-    assert item["prompt"] == chat("seven")
+    item = dataset[0]
+    assert item["prompt"] == chat("2221512")
     assert tokenizer.decode(item["prompt_ids"]) == item["prompt"]
     assert item["prompt_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
-    assert (item["ground_truth"], item["row"], item["images"]) == ("7", {"problem": "seven", "answer": "7"}, [])
-    assert len(dataset) == 10 and dataset.num_filtered == 0
+    assert (item["ground_truth"], item["row"], item["images"]) == ("2", {"problem": "2221512", "answer": "2"}, [])
+    assert len(dataset) == 50 and dataset.num_filtered == 0
     assert len(load_rows("toy")) == 1024
 
 
@@ -211,7 +212,7 @@ def test_same_seed_same_order():
 def test_resume_gives_the_identical_next_batch(tokenizer):
     dataset = PromptDataset(load_rows("toy@test"), DataConfig(), tokenizer, "toy@test")
     run = PromptLoader(dataset, batch_size=4, rank=1, world_size=2, seed=5, shuffle=True)
-    for _ in range(5):  # into epoch 2
+    for _ in range(25):  # 12 batches of 4 per epoch of 50 prompts: into epoch 2
         run.next_batch()
     state = run.state_dict()
     assert state == {"epoch": 2, "position": 4}

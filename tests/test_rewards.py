@@ -22,15 +22,16 @@ def scores(function: str, responses: list[str], ground_truth="7", **config) -> l
 
 # ----- built-ins -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("response, accuracy, exact, overall", [
+@pytest.mark.parametrize("response, accuracy, concise, overall", [
     ("7", 1.0, 1.0, 1.0),
     (" 7 \n", 1.0, 1.0, 1.0),
-    ("77", 1.0, 0.0, 0.5),
-    ("8", 0.0, 0.0, 0.0),
+    ("77", 1.0, 0.0, 0.5),  # right digit, did not stop
+    ("8", 0.0, 1.0, 0.0),  # stopped, wrong digit: stopping only pays with the right digit
+    ("x7", 0.0, 0.0, 0.0),
     ("", 0.0, 0.0, 0.0),
 ])
-def test_toy(response, accuracy, exact, overall):
-    assert toy(sample(response, "7")) == {"overall": overall, "accuracy": accuracy, "exact": exact}
+def test_toy(response, accuracy, concise, overall):
+    assert toy(sample(response, "7")) == {"overall": overall, "accuracy": accuracy, "concise": concise}
 
 
 @pytest.mark.parametrize("response, format_, accuracy, overall", [
@@ -98,11 +99,13 @@ def test_r1v_non_numeric_answer_compared_as_string():
 
 def test_builtins_through_reward_function_return_floats_with_fixed_keys():
     results = scores("toy", ["7", "8", " 77"])
-    assert results == [
-        {"overall": 1.0, "accuracy": 1.0, "exact": 1.0},
-        {"overall": 0.0, "accuracy": 0.0, "exact": 0.0},
-        {"overall": 0.5, "accuracy": 1.0, "exact": 0.0},
+    expected = [
+        {"overall": 1.0, "accuracy": 1.0, "concise": 1.0},
+        {"overall": 0.0, "accuracy": 0.0, "concise": 1.0},
+        {"overall": 0.5, "accuracy": 1.0, "concise": 0.0},
     ]
+    assert [r.keys() for r in results] == [e.keys() for e in expected]
+    assert all(r == pytest.approx(e) for r, e in zip(results, expected))
     assert all(type(v) is float for r in results for v in r.values())
 
 

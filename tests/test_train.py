@@ -1,0 +1,87 @@
+"""The real entry point under torchrun (2 ranks, gloo): end to end, architectures, multi-node, config errors."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, free_port, torchrun
+
+FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
+        "--actor.micro-batch-size", "8"]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_three_steps_end_to_end(tmp_path):
+    torchrun(["grpo.py", "--trainer.total-steps", "3", "--trainer.output-dir", str(tmp_path),
+              "--trainer.experiment-name", "e2e", "--trainer.val-freq", "2", *FAST])
+    run_dir = tmp_path / "e2e"
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert all(math.isfinite(v) for v in m.values()), m
+        for key in ("train/reward_overall", "train/reward_accuracy_std", "train/response_length_max",
+                    "train/clip_ratio", "actor/kl_ref", "actor/entropy_proxy", "actor/grad_norm", "actor/lr",
+                    "actor/clipfrac_higher", "actor/pg_loss", "timing/generate", "timing/sync",
+                    "perf/tokens_per_s", "perf/peak_memory_gib"):
+            assert key in m, key
+        assert m["rollout/logprob_diff_max"] < 1e-3, "vLLM and the trainer disagree: stale engine?"
+    assert "val/reward_overall" in metrics[1] and "val/reward_overall" in metrics[2]
+    assert (run_dir / "generations.jsonl").exists()
+    # the saved model is a loadable HF folder whose weights moved away from the initial ones
+    initial = load_file(tmp_path / "models" / "tiny-qwen2" / "model.safetensors")
+    final = load_file(run_dir / "final" / "model.safetensors")
+    assert initial.keys() == final.keys()
+    assert any(not torch.equal(initial[k], final[k]) for k in initial)
+    assert not (run_dir / "final.tmp").exists()
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_text_architectures_train(tmp_path, architecture):
+    torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--trainer.total-steps", "2",
+              "--trainer.output-dir", str(tmp_path), "--trainer.experiment-name", architecture,
+              "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST])
+    metrics = read_metrics(tmp_path / architecture)
+    assert len(metrics) == 2
+    assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics)
+
+
+def test_multi_node_on_loopback(tmp_path):
+    """Two torchrun agents (--nnodes 2, one process each) rendezvous on 127.0.0.1 and train together."""
+    port = free_port()
+    args = ["grpo.py", "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
+            "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST]
+    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+              "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    nodes = [subprocess.Popen(common + ["--node_rank", str(rank), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-4000:]
+    assert len(read_metrics(tmp_path / "toy-grpo")) == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rollout.n", "1"], "--rollout.n 1: GRPO"),
+    (["--trainer.rollout-batch-size", "30", "--trainer.global-batch-size", "8"], "--trainer.rollout-batch-size 30 must be a multiple"),
+    (["--actor.micro-batch-size", "3"], "--actor.micro-batch-size 3 must divide"),
+])
+def test_invalid_config_fails_before_loading_anything(tmp_path, flags, message):
+    proc = subprocess.run([sys.executable, "grpo.py", *flags, "--trainer.output-dir", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not (tmp_path / "models").exists()
+
+
+def test_unknown_preset_lists_the_presets():
+    proc = subprocess.run([sys.executable, "grpo.py", "nosuchpreset"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "unknown preset 'nosuchpreset'" in proc.stderr and "toy" in proc.stderr
