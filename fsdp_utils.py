@@ -89,6 +89,9 @@ def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[
 def save_hf_model(model: FSDPModule, tokenizer, path: str | Path) -> None:
     """Write a Hugging Face folder (safetensors + config + tokenizer) atomically: tmp folder, then rename."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if getattr(model.config, "tie_word_embeddings", False):  # the head is the input embedding: store it once
+        head = model.get_output_embeddings()
+        state.pop(next(name for name, module in model.named_modules() if module is head) + ".weight", None)
     if dist.get_rank() == 0:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
