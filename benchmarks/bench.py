@@ -53,7 +53,7 @@ def part_rollout(args) -> dict:
 
     vllm_environment()
     _, _, device = init_distributed()
-    cfg = RolloutConfig(n=args.n, max_response_length=args.max_tokens, cpu_kv_cache_gib=1.0)
+    cfg = RolloutConfig(n=args.group_size, max_response_length=args.max_tokens, cpu_kv_cache_gib=1.0)
     rollout = Rollout(cfg, args.model, max_model_len=args.max_tokens + 64, device=device)
     items = [{"prompt_ids": p} for p in prompts(args.prompts)]
     tokens_per_s = timed_generations(
@@ -75,7 +75,7 @@ def part_bare(args) -> dict:
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = LLM(model=args.model, max_model_len=args.max_tokens + 64, **engine_kwargs(torch.cuda.is_available()))
-    params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens, logprobs=0)
+    params = SamplingParams(n=args.group_size, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens, logprobs=0)
     requests = [{"prompt_token_ids": p} for p in prompts(args.prompts)]
     tokens_per_s = timed_generations(
         lambda: sum(len(o.token_ids) for r in llm.generate(requests, params, use_tqdm=False) for o in r.outputs), args)
@@ -87,7 +87,7 @@ def run_part(part: str, args, torchrun: bool) -> dict:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533"] \
         if torchrun else [sys.executable]
     cmd = launcher + [__file__, "--part", part, "--out", str(out), "--model", args.model, "--prompts", str(args.prompts),
-                      "--n", str(args.n), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
+                      "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=not args.verbose)
     return json.loads(out.read_text())
 
@@ -108,7 +108,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
@@ -126,7 +126,7 @@ def main():
         args.model = str(build_tiny_model("qwen2", Path(tempfile.mkdtemp()) / "tiny-qwen2"))
     result = {**run_part("bare", args, torchrun=False), **run_part("rollout", args, torchrun=True)}
     step = step_breakdown(args)
-    print(f"model {args.model}: {args.prompts} prompts x n={args.n} x up to {args.max_tokens} tokens\n")
+    print(f"model {args.model}: {args.prompts} prompts x n={args.group_size} x up to {args.max_tokens} tokens\n")
     print("| measure | value |\n|---|---|")
     print(f"| rollout.py generation | {result['rollout_tokens_per_s']:,.0f} tokens/s |")
     print(f"| bare vllm.LLM.generate | {result['bare_tokens_per_s']:,.0f} tokens/s |")
