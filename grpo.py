@@ -68,22 +68,46 @@ class ActorConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["grpo"] = "grpo"
-    """Advantage estimator (see ADVANTAGE_ESTIMATORS)."""
+    adv_estimator: Literal["grpo", "dr_grpo", "grpo_passk", "rloo", "remax", "reinforce_plus_plus"] = "grpo"
+    """Advantage estimator (functions *_advantages below; presets in configs/ pick the matching loss)."""
+    loss_type: Literal["ppo_clip", "gspo", "gspo_token", "cispo", "sapo"] = "ppo_clip"
+    """Policy loss (POLICY_LOSSES below)."""
     clip_ratio_low: float = 0.2
     """PPO clip: lower bound of the ratio is 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.3
     """PPO clip: upper bound of the ratio is 1 + clip_ratio_high (EasyR1 default 0.3)."""
     clip_ratio_dual: float = 3.0
     """Dual clip: for negative advantages the loss is capped at -A * clip_ratio_dual."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How per-token losses become one number (token-mean: over every valid token of the mini-batch, all ranks)."""
+    token_sum_norm: float = 0.0
+    """seq-mean-token-sum's constant normaliser (0: the max response length)."""
+    gamma: float = 1.0
+    """Discount of REINFORCE++ returns."""
     use_kl_loss: bool = True
-    """Add kl_coef * KL(policy || reference) to the loss; False builds no reference model at all."""
+    """Add kl_coef * KL(policy || reference) to the loss."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef * KL(old policy || reference) from every token's reward instead."""
     kl_coef: float = 0.1
-    """Weight of the KL loss (EasyR1 uses 1e-2; the built-in task needs the stronger pull to keep exploring)."""
+    """KL weight (EasyR1 uses 1e-2; the built-in task needs the stronger pull to keep exploring)."""
     kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
     """KL estimator per token (k1, |k1|, k2, k3)."""
+    kl_type: Literal["fixed", "adaptive"] = "fixed"
+    """KL in the reward: a fixed kl_coef, or one adapted towards kl_target."""
+    kl_target: float = 0.1
+    """Adaptive KL: the KL per token to steer towards."""
+    kl_horizon: int = 10000
+    """Adaptive KL: responses over which the coefficient may change by 20%."""
+    online_filtering: bool = False
+    """Dynamic sampling (DAPO): train only on groups whose mean filter_key is strictly inside the bounds."""
+    filter_key: str = "overall"
+    """Reward key whose group mean decides which groups are kept."""
+    filter_low: float = 0.01
+    """Keep a group only if its mean filter_key is above this..."""
+    filter_high: float = 0.99
+    """...and below this."""
+    max_sampling_rounds: int = 10
+    """Dynamic sampling: rounds of generation allowed to fill the batch before the run stops with an error."""
 
 
 @dataclass
@@ -122,26 +146,86 @@ class Config:
 
 # ==================================================================================================
 # ALGORITHM: pure tensor functions. B = responses, R = response tokens, mask[b, t] = 1 on valid tokens.
+# Outcome estimators see one score per response (the sum of its token rewards: the reward on the last
+# token, minus the KL penalty when KL is in the reward); REINFORCE++ sees the token rewards themselves.
 # ==================================================================================================
 
 
+def _by_group(scores: torch.Tensor, groups: torch.Tensor, name: str, fn) -> torch.Tensor:
+    """Apply fn(scores of one group) -> advantages of that group, for every group (prompt)."""
+    advantages = torch.zeros_like(scores)
+    for g in groups.unique():
+        members = groups == g
+        if members.sum() < 2:
+            raise ValueError(f"{name} compares the responses to one prompt: it needs --rollout.n >= 2")
+        advantages[members] = fn(scores[members])
+    return advantages
+
+
 def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps), std with Bessel's correction, per group g of a prompt.
+    """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), Bessel-corrected std within each group g.
 
     scores [B], groups [B] (group id of each response) -> advantages [B]. A group of equal scores gets 0.
     Example: scores [1, 0, 0, 1] in one group: mean 0.5, std 0.577 -> [0.866, -0.866, -0.866, 0.866].
     """
-    advantages = torch.zeros_like(scores)
-    for g in groups.unique():
-        members = groups == g
-        group_scores = scores[members]
-        if len(group_scores) < 2:
-            raise ValueError("GRPO needs at least 2 responses per prompt: raise --rollout.n")
-        advantages[members] = (group_scores - group_scores.mean()) / (group_scores.std() + eps)
-    return advantages
+    return _by_group(scores, groups, "GRPO", lambda s: (s - s.mean()) / (s.std() + eps))
 
 
-ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages}
+def dr_grpo_advantages(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO: A_i = R_i - mean_g R (no std division, which over-weights near-uniform groups).
+
+    Example: [1, 0, 0, 1] -> [0.5, -0.5, -0.5, 0.5]. Pair it with loss_agg_mode seq-mean-token-sum.
+    """
+    return _by_group(scores, groups, "Dr. GRPO", lambda s: s - s.mean())
+
+
+def grpo_passk_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO pass@k: only the best response of a group learns, A = (R_max - R_second) / (std_g R + eps).
+
+    Example: [1, 0, 0, 0.5] -> best gets (1 - 0.5) / (0.479 + eps) = 1.044, the others 0.
+    """
+    def best_only(s):
+        advantages = torch.zeros_like(s)
+        top = s.topk(2).values
+        advantages[s.argmax()] = (top[0] - top[1]) / (s.std() + eps)
+        return advantages
+    return _by_group(scores, groups, "GRPO pass@k", best_only)
+
+
+def rloo_advantages(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """RLOO: A_i = R_i - (sum_g R - R_i) / (|g| - 1), each response against the mean of the others.
+
+    Example: [1, 0, 0, 1] -> 1 - 1/3 = 0.667 and 0 - 2/3 = -0.667: [0.667, -0.667, -0.667, 0.667].
+    """
+    return _by_group(scores, groups, "RLOO", lambda s: s - (s.sum() - s) / (len(s) - 1))
+
+
+def remax_advantages(scores: torch.Tensor, baselines: torch.Tensor) -> torch.Tensor:
+    """ReMax: A_i = R_i - b_i, b = the reward of the prompt's greedy response (an extra rollout, temperature 0).
+
+    Example: scores [1, 0], the greedy answer scored 0.5 -> [0.5, -0.5].
+    """
+    return scores - baselines
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                            sum_over_ranks=lambda x: x) -> torch.Tensor:
+    """REINFORCE++: returns G_t = r_t + gamma G_{t+1} (reset past the EOS), whitened over every valid
+    token of the whole batch: A = (G - mean) / sqrt(var + 1e-8) (Bessel-corrected var, as EasyR1).
+
+    token_rewards [B, R] -> advantages [B, R]; `sum_over_ranks` all-reduces a tensor of sums (global
+    whitening). Example, gamma 1: rewards [[0, 1], [0, 0]] -> returns [[1, 1], [0, 0]] -> [[.866]*2, [-.866]*2].
+    """
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])  # [B]
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]  # nothing flows back from padding past the EOS
+    count, total = sum_over_ranks(torch.stack([mask.sum(), (returns * mask).sum()])).tolist()
+    mean = total / count
+    var = sum_over_ranks(((returns - mean).square() * mask).sum()).item() / max(count - 1, 1)
+    return (returns - mean) / math.sqrt(var + 1e-8) * mask
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -163,39 +247,133 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
-def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, clip_dual):
-    """Asymmetric PPO clip with dual clip, per token ([B, R] each) -> (loss [B, R], clip fractions).
+def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, batch_size: int) -> float:
+    """Adaptive KL-in-reward coefficient (Ziegler et al. 2019): beta * (1 + clip(KL / target - 1, +-0.2) * B / horizon).
 
-    r = exp(clamp(l - l_old, -20, 20)); L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
+    Example: beta 0.1, KL 0.2 with target 0.1 (error clipped to 0.2), B 100, horizon 1000 -> 0.1 * 1.02 = 0.102.
+    """
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return coef * (1 + error * batch_size / horizon)
+
+
+def clipped_ratio_loss(log_ratio, advantages, mask, clip_low: float, clip_high: float, clip_dual: float):
+    """PPO's asymmetric clip with dual clip, given the log importance ratio rho per token ([B, R] each).
+
+    r = exp(clamp(rho, -20, 20)); L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
     where A < 0 also L = min(L, -A * clip_dual) (dual clip bounds the loss of very off-policy tokens).
     """
-    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
+    ratio = torch.exp(log_ratio.clamp(-20, 20))
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(loss_unclipped, loss_clipped)
     loss_dual = torch.minimum(loss, -advantages * clip_dual)
-    loss = torch.where(advantages < 0, loss_dual, loss)
     with torch.no_grad():
         valid = mask.bool()
         stats = {
             "actor/clipfrac_higher": ((ratio > 1 + clip_high) & (advantages > 0) & valid).float(),
             "actor/clipfrac_lower": ((ratio < 1 - clip_low) & (advantages < 0) & valid).float(),
-            "actor/clipfrac_dual": ((loss_dual < loss_unclipped.maximum(loss_clipped)) & (advantages < 0) & valid).float(),
+            "actor/clipfrac_dual": ((loss_dual < loss) & (advantages < 0) & valid).float(),
         }
-    return loss, stats
+    return torch.where(advantages < 0, loss_dual, loss), stats
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: float, global_sequences: float):
+def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+    """PPO / GRPO / DAPO: the clipped loss with the token ratio, rho = l - l_old."""
+    return clipped_ratio_loss(logprobs - old_logprobs, advantages, mask,
+                              cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
+
+
+def _sequence_log_ratio(logprobs, old_logprobs, mask) -> torch.Tensor:
+    """s_i = mean over the valid tokens of sequence i of (l - l_old) -> [B, 1]."""
+    return ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def gspo_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+    """GSPO: the clipped loss with one ratio per sequence, rho[i, t] = s_i (sequence-level clipping).
+
+    Example: token log-ratios [0.1, 0.3] -> s = 0.2 for both tokens; the whole sequence is in or out of the clip.
+    """
+    log_ratio = _sequence_log_ratio(logprobs, old_logprobs, mask).expand_as(logprobs)
+    return clipped_ratio_loss(log_ratio, advantages, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
+
+
+def gspo_token_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+    """GSPO-token: rho[i, t] = sg(s_i) + l - sg(l): the value of the sequence ratio, a per-token gradient."""
+    s = _sequence_log_ratio(logprobs, old_logprobs, mask).detach()
+    log_ratio = s + logprobs - logprobs.detach()
+    return clipped_ratio_loss(log_ratio, advantages, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
+
+
+def cispo_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+    """CISPO: L = -A * sg(clip(r, 1 - clip_low, 1 + clip_high)) * l, REINFORCE weighted by a clipped,
+    detached importance ratio: clipped tokens still get a gradient (through l), only their weight is capped.
+
+    Example: A = 1, r = 6 with clip_high 4 -> weight 5, dL/dl = -5.
+    """
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
+    weight = ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high).detach()
+    with torch.no_grad():
+        stats = {"actor/clipfrac_higher": ((ratio > 1 + cfg.clip_ratio_high) & mask.bool()).float(),
+                 "actor/clipfrac_lower": ((ratio < 1 - cfg.clip_ratio_low) & mask.bool()).float()}
+    return -advantages * weight * logprobs, stats
+
+
+def sapo_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+    """SAPO: a soft gate instead of a hard clip, L = -A * (4 / tau) * sigmoid(tau * (r - 1)),
+    tau = 1.0 where A >= 0 and 1.05 where A < 0. At r = 1 the gradient is PPO's (dL/dr = -A); far from 1
+    it fades smoothly instead of dropping to zero at a clip boundary.
+    """
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
+    tau = torch.where(advantages >= 0, 1.0, 1.05)
+    return -advantages * (4 / tau) * torch.sigmoid(tau * (ratio - 1)), {}
+
+
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "gspo_token": gspo_token_loss,
+                 "cispo": cispo_loss, "sapo": sapo_loss}
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: float, global_sequences: float,
+              token_sum_norm: float = 1.0) -> torch.Tensor:
     """Sum this micro-batch's share of the mini-batch loss, normalised by counts over all ranks.
 
-    token-mean: sum(L m) / tokens; seq-mean-token-mean: sum_i (sum_t L m / sum_t m) / sequences.
-    Summing the shares of every micro-batch on every rank gives the exact mini-batch mean.
+    token-mean: sum(L m) / tokens; seq-mean-token-mean: sum_i (sum_t L m / sum_t m) / sequences;
+    seq-mean-token-sum (Dr. GRPO): sum_i sum_t L m / (sequences * token_sum_norm), a constant normaliser.
+    Summing the shares of every micro-batch on every rank gives the exact mini-batch value.
     """
     if mode == "token-mean":
         return (loss * mask).sum() / global_tokens
     if mode == "seq-mean-token-mean":
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / global_sequences
+    if mode == "seq-mean-token-sum":
+        return (loss * mask).sum() / (global_sequences * token_sum_norm)
     raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def compute_advantages(estimator: str, token_rewards, mask, groups, baselines, gamma: float, sum_over_ranks):
+    """Dispatch to an estimator: outcome estimators get one score per response, broadcast over its tokens."""
+    if estimator == "reinforce_plus_plus":
+        return reinforce_pp_advantages(token_rewards, mask, gamma, sum_over_ranks)
+    scores = token_rewards.sum(-1)  # [B]
+    outcome = {
+        "grpo": lambda: grpo_advantages(scores, groups),
+        "dr_grpo": lambda: dr_grpo_advantages(scores, groups),
+        "grpo_passk": lambda: grpo_passk_advantages(scores, groups),
+        "rloo": lambda: rloo_advantages(scores, groups),
+        "remax": lambda: remax_advantages(scores, baselines),
+    }[estimator]()
+    return outcome[:, None] * mask  # [B, R]
+
+
+def mixed_group(scores: list[dict[str, float]], key: str, low: float, high: float) -> bool:
+    """Dynamic sampling (DAPO): keep a group only if low < mean of its `key` scores < high (strict).
+
+    All-right or all-wrong groups have zero GRPO advantage: they would cost compute and teach nothing.
+    """
+    if key not in scores[0]:
+        raise KeyError(f"dynamic sampling key {key!r} is not a reward key ({sorted(scores[0])}): "
+                       "set --algorithm.filter-key")
+    mean = sum(s[key] for s in scores) / len(scores)
+    return low < mean < high
 
 
 # ==================================================================================================
@@ -258,35 +436,54 @@ def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     return tensor.tolist()
 
 
-def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, advantages, cfg: Config) -> dict:
-    """PPO epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation)."""
+def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's sum over all ranks (used by REINFORCE++'s global whitening)."""
+    summed = tensor.detach().to(comm_device(), torch.float64)
+    dist.all_reduce(summed)
+    return summed.to(tensor.device, tensor.dtype)
+
+
+def backward_mini_batch(model, batch: dict, old_logprobs, ref_logprobs, advantages, cfg: Config) -> dict[str, float]:
+    """Loss and backward over the micro-batches of one mini-batch (this rank's share of it).
+
+    The accumulated gradient equals that of the whole mini-batch on all ranks at once: every micro-batch's
+    loss is already divided by the global count (aggregate), and FSDP's average over ranks is undone.
+    Returns sums of per-token statistics (and the token count) for logging.
+    """
     algo, world = cfg.algorithm, dist.get_world_size()
-    B = batch["input_ids"].shape[0]
-    mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n // world
-    micro_batch = cfg.actor.micro_batch_size
+    mask = batch["response_mask"]
+    global_tokens, global_sequences = all_reduce([mask.sum().item(), mask.shape[0]])
+    token_sum_norm = algo.token_sum_norm or cfg.rollout.max_response_length
+    sums: dict[str, float] = {"tokens": mask.sum().item()}
+    for start in range(0, mask.shape[0], cfg.actor.micro_batch_size):
+        index = slice(start, start + cfg.actor.micro_batch_size)
+        micro, micro_mask = select(batch, index), mask[index]
+        logprobs = response_logprobs(model, micro, cfg.rollout.temperature)  # [b, R]
+        loss, stats = POLICY_LOSSES[algo.loss_type](logprobs, old_logprobs[index], advantages[index], micro_mask, algo)
+        stats["actor/pg_loss"] = loss.detach()
+        if algo.use_kl_loss:
+            kl = kl_penalty(logprobs, ref_logprobs[index], algo.kl_penalty)
+            loss = loss + algo.kl_coef * kl
+            stats["actor/kl_loss"] = kl.detach()
+        aggregated = aggregate(loss, micro_mask, algo.loss_agg_mode, global_tokens, global_sequences, token_sum_norm)
+        (aggregated * world).backward()  # FSDP averages gradients over ranks: * world makes it the global sum
+        for key, value in stats.items():
+            sums[key] = sums.get(key, 0.0) + (value * micro_mask).sum().item()
+    return sums
+
+
+def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, advantages, cfg: Config) -> dict:
+    """PPO epochs x mini-batches, one optimizer step each (old log-probs were computed once, before)."""
+    mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n // dist.get_world_size()
     sums: dict[str, float] = {}
     grad_norms, skipped = [], 0
     for _ in range(cfg.trainer.ppo_epochs):
-        for start in range(0, B, mini_batch):
-            mask = batch["response_mask"][start : start + mini_batch]
-            global_tokens, global_sequences = all_reduce([mask.sum().item(), mask.shape[0]])
-            for m in range(start, start + mini_batch, micro_batch):
-                index = slice(m, min(m + micro_batch, start + mini_batch))
-                micro, micro_mask = select(batch, index), batch["response_mask"][index]
-                logprobs = response_logprobs(model, micro, cfg.rollout.temperature)  # [b, R]
-                loss, stats = ppo_clip_loss(logprobs, old_logprobs[index], advantages[index], micro_mask,
-                                            algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_dual)
-                stats["actor/pg_loss"] = loss.detach()
-                if algo.use_kl_loss:
-                    kl = kl_penalty(logprobs, ref_logprobs[index], algo.kl_penalty)
-                    loss = loss + algo.kl_coef * kl
-                    stats["actor/kl_loss"] = kl.detach()
-                # FSDP averages gradients over ranks; scaling by the world size turns that into a global sum,
-                # and aggregate() already divides by the global token (or sequence) count.
-                (aggregate(loss, micro_mask, algo.loss_agg_mode, global_tokens, global_sequences) * world).backward()
-                for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + (value * micro_mask).sum().item()
-                sums["tokens"] = sums.get("tokens", 0.0) + micro_mask.sum().item()
+        for start in range(0, batch["input_ids"].shape[0], mini_batch):
+            index = slice(start, start + mini_batch)
+            ref = ref_logprobs[index] if ref_logprobs is not None else None
+            for key, value in backward_mini_batch(model, select(batch, index), old_logprobs[index], ref,
+                                                  advantages[index], cfg).items():
+                sums[key] = sums.get(key, 0.0) + value
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.max_grad_norm)
             grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
             if math.isfinite(grad_norm):
@@ -298,7 +495,8 @@ def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, adv
     keys = sorted(k for k in sums if k != "tokens")
     totals = all_reduce([sums[k] for k in keys] + [sums["tokens"]])
     metrics = {k: v / totals[-1] for k, v in zip(keys, totals)}
-    metrics.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/skipped_steps": skipped})
+    metrics.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/optimizer_steps": len(grad_norms),
+                    "actor/skipped_steps": skipped})
     return metrics
 
 
@@ -316,6 +514,73 @@ def score(reward_fn: RewardFunction, tokenizer, flat) -> list[dict[str, float]]:
         "row": item["row"],
         "images": item["images"],
     } for _, item, r in flat])
+
+
+def collect_rollouts(rollout: Rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: Config, version: int,
+                     timing: dict[str, float]):
+    """Generate and score rounds of prompts until this rank holds its share of groups.
+
+    One round, unless dynamic sampling drops groups: then more rounds, in lockstep over all ranks, until
+    every rank has rollout_batch_size / world_size kept groups (extras are cut). ReMax also generates one
+    greedy response per prompt, whose score is that prompt's baseline.
+    Returns the kept (group, item, response) triples, their scores, the baselines (or None), sampling stats.
+    """
+    algo = cfg.algorithm
+    quota = cfg.trainer.rollout_batch_size // dist.get_world_size()
+    kept, generated = [], 0  # kept: (item, responses, scores, baseline) per group
+    for rounds in range(1, algo.max_sampling_rounds + 1):
+        items = loader.next_batch()
+        clock = time.perf_counter()
+        groups = rollout.generate(items, version)
+        greedy = rollout.generate(items, version, greedy=True) if algo.adv_estimator == "remax" else None
+        timing["timing/generate"] += time.perf_counter() - clock
+        clock = time.perf_counter()
+        scores = score(reward_fn, tokenizer, flatten(items, groups))
+        baselines = score(reward_fn, tokenizer, flatten(items, greedy)) if greedy else [None] * len(items)
+        timing["timing/reward"] += time.perf_counter() - clock
+        n = cfg.rollout.n
+        for i, (item, responses) in enumerate(zip(items, groups)):
+            group_scores = scores[i * n : (i + 1) * n]
+            if not algo.online_filtering or mixed_group(group_scores, algo.filter_key, algo.filter_low, algo.filter_high):
+                kept.append((item, responses, group_scores, baselines[i]))
+        generated += len(items)
+        if not algo.online_filtering or all_reduce([len(kept)], dist.ReduceOp.MIN)[0] >= quota:
+            break
+    else:
+        raise RuntimeError(
+            f"dynamic sampling: after {algo.max_sampling_rounds} rounds some rank kept fewer than {quota} groups "
+            f"with {algo.filter_low} < mean {algo.filter_key} < {algo.filter_high} (this rank: {len(kept)}). "
+            "Raise --algorithm.max-sampling-rounds, widen the bounds, or pick an easier start (model, data).")
+    kept = kept[:quota]
+    kept_total, generated_total = all_reduce([len(kept), generated])
+    flat = [(g, item, r) for g, (item, responses, _, _) in enumerate(kept) for r in responses]
+    scores = [s for _, _, group_scores, _ in kept for s in group_scores]
+    baselines = [b["overall"] for _, responses, _, b in kept for _ in responses] if greedy else None
+    stats = {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": kept_total / generated_total}
+    return flat, scores, baselines, stats
+
+
+def outcome_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token rewards [B, R]: each response's score on its last valid token, zero elsewhere."""
+    token_rewards = torch.zeros_like(mask)
+    token_rewards[torch.arange(len(scores)), mask.sum(-1).long() - 1] = scores
+    return token_rewards
+
+
+def logprob_metrics(responses, old_logprobs, ref_logprobs, mask) -> dict[str, float]:
+    """The engine-vs-trainer gap on the sampled tokens (a stale or mis-synced engine shows up here), the
+    entropy proxy (mean -log p of sampled tokens) and the k1 KL to the reference, over all ranks."""
+    vllm_logprobs = torch.zeros_like(old_logprobs)  # [B, R]
+    for b, r in enumerate(responses):
+        vllm_logprobs[b, : len(r.logprobs)] = torch.tensor(r.logprobs)
+    diff = (old_logprobs - vllm_logprobs) * mask
+    kl = ((old_logprobs - ref_logprobs) * mask).sum().item() if ref_logprobs is not None else 0.0
+    tokens, gap, ratio, entropy, kl = all_reduce([mask.sum().item(), diff.abs().sum().item(),
+                                                  (diff.clamp(-20, 20).exp() * mask).sum().item(),
+                                                  (-old_logprobs * mask).sum().item(), kl])
+    return {"rollout/logprob_diff_mean": gap / tokens, "rollout/is_ratio_mean": ratio / tokens,
+            "rollout/logprob_diff_max": all_reduce([diff.abs().max().item()], dist.ReduceOp.MAX)[0],
+            "actor/entropy_proxy": entropy / tokens, "actor/kl_ref": kl / tokens}
 
 
 def score_metrics(prefix: str, scores: list[dict[str, float]], responses) -> dict[str, float]:
@@ -392,8 +657,13 @@ def check_config(cfg: Config, world_size: int) -> None:
     elif (t.global_batch_size * n // world_size) % cfg.actor.micro_batch_size:
         problems.append(f"--actor.micro-batch-size {cfg.actor.micro_batch_size} must divide the per-rank mini-batch "
                         f"(global_batch_size x n / world size = {t.global_batch_size * n // world_size} sequences)")
-    if cfg.algorithm.adv_estimator == "grpo" and n < 2:
-        problems.append(f"--rollout.n {n}: GRPO compares responses within a group, it needs n >= 2")
+    algo = cfg.algorithm
+    if algo.adv_estimator in ("grpo", "dr_grpo", "grpo_passk", "rloo") and n < 2:
+        problems.append(f"--rollout.n {n}: {algo.adv_estimator} compares responses within a group, it needs n >= 2")
+    if algo.use_kl_loss and algo.use_kl_in_reward:
+        problems.append("--algorithm.use-kl-loss and --algorithm.use-kl-in-reward: pick one place for the KL")
+    if algo.online_filtering and algo.max_sampling_rounds < 1:
+        problems.append("--algorithm.max-sampling-rounds must be at least 1")
     if world_size % cfg.rollout.tensor_parallel_size:
         problems.append(f"--rollout.tensor-parallel-size {cfg.rollout.tensor_parallel_size} must divide the world size {world_size}")
     if problems:
@@ -425,15 +695,17 @@ def main(cfg: Config) -> None:
                   f"{cfg.data.max_prompt_length} tokens dropped), {len(val_set) if val_set else 0} validation prompts")
     loader = PromptLoader(train_set, cfg.trainer.rollout_batch_size, rank, world, cfg.data.seed, cfg.data.shuffle)
     val_items = shard(val_set, rank, world) if val_set else []
-    reward_fn = RewardFunction(cfg.reward)
+    reward_fn = RewardFunction(cfg.reward, cfg.rollout.max_response_length)
 
     actor = load_sharded_model(model_path, device, trainable=True, gradient_checkpointing=cfg.actor.gradient_checkpointing)
-    ref = load_sharded_model(model_path, device, trainable=False) if cfg.algorithm.use_kl_loss else None
+    algo = cfg.algorithm
+    uses_kl = algo.use_kl_loss or algo.use_kl_in_reward
+    ref = load_sharded_model(model_path, device, trainable=False) if uses_kl else None  # no KL: no reference at all
     optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.actor.lr, betas=cfg.actor.betas,
                                   weight_decay=cfg.actor.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.actor, cfg.trainer.total_steps))
     rollout = Rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length, device)
-    estimator = ADVANTAGE_ESTIMATORS[cfg.algorithm.adv_estimator]
+    kl_coef = algo.kl_coef  # changes over time with the adaptive KL-in-reward controller
 
     history: list[dict] = []
     start_time = time.perf_counter()
@@ -445,8 +717,7 @@ def main(cfg: Config) -> None:
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=cfg.trainer.total_steps)
         for step in range(1, cfg.trainer.total_steps + 1):
-            timing: dict[str, float] = {}
-            clock = time.perf_counter()
+            timing: dict[str, float] = {"timing/generate": 0.0, "timing/reward": 0.0}
 
             def lap(name: str) -> None:
                 nonlocal clock
@@ -456,15 +727,11 @@ def main(cfg: Config) -> None:
                 timing[f"timing/{name}"] = now - clock
                 clock = now
 
-            # ---- generate + score -------------------------------------------------------------------
-            items = loader.next_batch()
-            groups = rollout.generate(items, step - 1)
+            # ---- generate + score (more rounds when dynamic sampling drops groups) ------------------------
+            flat, scores, baselines, metrics = collect_rollouts(rollout, loader, reward_fn, tokenizer, cfg, step - 1, timing)
             rollout.sleep()
-            lap("generate")
-            flat = flatten(items, groups)
             responses = [r for _, _, r in flat]
-            scores = score(reward_fn, tokenizer, flat)
-            lap("reward")
+            clock = time.perf_counter()
 
             # ---- log-probs, advantages ----------------------------------------------------------------
             batch = make_batch([item["prompt_ids"] for _, item, _ in flat], [r.token_ids for r in responses],
@@ -476,25 +743,24 @@ def main(cfg: Config) -> None:
             ref_logprobs = (batched_logprobs(ref, batch, cfg.rollout.temperature, cfg.actor.micro_batch_size)
                             if ref is not None else None)
             lap("ref_logprob")
-            scores_t = torch.tensor([s["overall"] for s in scores], device=device)  # [B]
-            groups_t = torch.tensor([i for i, _, _ in flat], device=device)  # [B]
-            advantages = estimator(scores_t, groups_t)[:, None] * mask  # [B, R]
+            token_rewards = outcome_on_last_token(torch.tensor([s["overall"] for s in scores], device=device), mask)
+            if algo.use_kl_in_reward:  # KL in the reward is paid on every token
+                kl_tokens = kl_penalty(old_logprobs, ref_logprobs, algo.kl_penalty) * mask  # [B, R]
+                token_rewards -= kl_coef * kl_tokens
+                metrics["actor/kl_reward_coef"] = kl_coef
+                if algo.kl_type == "adaptive":
+                    kl_sum, kl_count = all_reduce([kl_tokens.sum().item(), mask.sum().item()])
+                    kl_coef = adaptive_kl_coef(kl_coef, kl_sum / kl_count, algo.kl_target, algo.kl_horizon,
+                                               cfg.trainer.rollout_batch_size * cfg.rollout.n)
+            groups_t = torch.tensor([g for g, _, _ in flat], device=device)  # [B]
+            baselines_t = torch.tensor(baselines, device=device) if baselines is not None else None
+            advantages = compute_advantages(algo.adv_estimator, token_rewards, mask, groups_t, baselines_t, algo.gamma,
+                                            sum_over_ranks)  # [B, R]
 
-            # engine vs trainer on the sampled tokens: a stale or mis-synced engine shows up here
-            vllm_logprobs = torch.zeros_like(old_logprobs)
-            for b, r in enumerate(responses):
-                vllm_logprobs[b, : len(r.logprobs)] = torch.tensor(r.logprobs)
-            gap = ((old_logprobs - vllm_logprobs).abs() * mask).sum().item()
-            ratio = ((old_logprobs - vllm_logprobs).clamp(-20, 20).exp() * mask).sum().item()
-            gap_max = ((old_logprobs - vllm_logprobs).abs() * mask).max().item()
-            entropy = (-old_logprobs * mask).sum().item()
-            tokens = mask.sum().item()
-            kl_sum = ((old_logprobs - ref_logprobs) * mask).sum().item() if ref_logprobs is not None else 0.0
-            gap, ratio, entropy, kl_sum, tokens, seq_tokens = all_reduce(
-                [gap, ratio, entropy, kl_sum, tokens, batch["input_ids"].numel()])
+            metrics.update(logprob_metrics(responses, old_logprobs, ref_logprobs, mask))
 
             # ---- update ------------------------------------------------------------------------------
-            metrics = update_policy(actor, optimizer, batch, old_logprobs, ref_logprobs, advantages, cfg)
+            metrics.update(update_policy(actor, optimizer, batch, old_logprobs, ref_logprobs, advantages, cfg))
             scheduler.step()
             lap("update")
 
@@ -504,18 +770,14 @@ def main(cfg: Config) -> None:
 
             # ---- validate, log -------------------------------------------------------------------------
             metrics.update(score_metrics("train", scores, responses))
-            metrics.update({
-                "rollout/logprob_diff_mean": gap / tokens, "rollout/is_ratio_mean": ratio / tokens,
-                "rollout/logprob_diff_max": all_reduce([gap_max], dist.ReduceOp.MAX)[0],
-                "actor/entropy_proxy": entropy / tokens, "actor/kl_ref": kl_sum / tokens,
-                "actor/lr": scheduler.get_last_lr()[0],
-            })
+            metrics["actor/lr"] = scheduler.get_last_lr()[0]
             if val_items and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or step == cfg.trainer.total_steps):
                 metrics.update(validate(rollout, val_items, step, tokenizer, reward_fn, run_dir))
                 lap("validate")
             step_time = sum(timing.values())
             metrics.update(timing)
-            metrics.update({"timing/step": step_time, "perf/tokens_per_s": seq_tokens / step_time,
+            sequence_tokens = all_reduce([batch["input_ids"].numel()])[0]
+            metrics.update({"timing/step": step_time, "perf/tokens_per_s": sequence_tokens / step_time,
                             "perf/peak_memory_gib": all_reduce([peak_memory_gib(device)], dist.ReduceOp.MAX)[0]})
             history.append({"step": step, **metrics})
             if rank == 0:
@@ -535,6 +797,9 @@ def main(cfg: Config) -> None:
     console.print(f"done: {len(history)} steps in {time.perf_counter() - start_time:.0f}s; train reward "
                   f"{first:.3f} (step 1) -> {last:.3f} (mean of the last {len(history[-5:])} steps); run folder {run_dir}")
     dist.barrier()
+    rollout.shutdown()
+    if dist.is_initialized():  # vLLM's shutdown may already have destroyed the default group
+        dist.destroy_process_group()
 
 
 def parse_config(argv: list[str]) -> Config:

@@ -41,6 +41,10 @@ class RewardConfig:
     """Keyword arguments passed to the reward function, e.g. `--reward.kwargs format_weight 0.2`."""
     batch: bool = False
     """True: fn(list[RewardInput], **kwargs) -> list[dict]; False: fn(RewardInput, **kwargs) -> dict, called per sample."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping: responses longer than max_response_length - this many tokens are penalised (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO overlong shaping: weight of the penalty (which goes from 0 to -1 across the buffer)."""
 
 
 class RewardInput(TypedDict):
@@ -140,6 +144,15 @@ def _math_equal(answer: str, ground_truth: Any) -> bool:
         return False
 
 
+def overlong_penalty(response_length: int, max_length: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_length - buffer tokens, then linearly down to -1.
+
+    max_length 20, buffer 4: 16 tokens -> 0.0; 18 -> -0.5; 20 -> -1.0.
+    """
+    expected = max_length - buffer
+    return max(min((expected - response_length) / buffer, 0.0), -1.0)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Loading and calling the configured reward
 # ---------------------------------------------------------------------------------------------------
@@ -151,7 +164,11 @@ class RewardFunction:
     -> [{"overall": 1.0, "accuracy": 1.0, "exact": 1.0}]
     """
 
-    def __init__(self, config: RewardConfig):
+    def __init__(self, config: RewardConfig, max_response_length: int = 0):
+        self.config, self.max_response_length = config, max_response_length
+        if config.overlong_buffer and not 0 < config.overlong_buffer < max_response_length:
+            raise RewardError(f"--reward.overlong-buffer {config.overlong_buffer} must be between 0 and "
+                              f"--rollout.max-response-length {max_response_length}")
         self.name = config.function  # the spec string, for logs and error messages
         self.kwargs = dict(config.kwargs)
         self.batch = config.batch
@@ -184,6 +201,12 @@ class RewardFunction:
         for i, (inp, score) in enumerate(zip(inputs, scores)):
             if score.keys() != scores[0].keys():
                 raise self._error(i, inp, f"returned keys {sorted(score)}, sample 0 returned {sorted(scores[0])}")
+        if self.config.overlong_buffer:  # DAPO: added to the reward, and logged on its own
+            for inp, score in zip(inputs, scores):
+                penalty = self.config.overlong_penalty_factor * overlong_penalty(
+                    inp["response_length"], self.max_response_length, self.config.overlong_buffer)
+                score["overall"] += penalty
+                score["overlong_penalty"] = penalty
         return scores
 
     def _check(self, index: int, inp: RewardInput, result: Any) -> dict[str, float]:

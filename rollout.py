@@ -115,6 +115,11 @@ class Rollout:
             self.llm.sleep(level=1)
             self.asleep = True
 
+    def shutdown(self) -> None:
+        """Stop the engine now (it tears down its own process groups), not in an exit-time finalizer that
+        would run after torch.distributed is gone and fail with "Invalid process group specified"."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def sync_weights(self, weights, version: int) -> None:
         """Load the trainer's weights in place: wake the weights, stream them in, then wake the KV cache.
 
@@ -132,10 +137,12 @@ class Rollout:
         self.llm.reset_prefix_cache()
         self.weights_version = version
 
-    def generate(self, prompts: list[dict], version: int, validation: bool = False) -> list[list[Response]]:
+    def generate(self, prompts: list[dict], version: int, validation: bool = False,
+                 greedy: bool = False) -> list[list[Response]]:
         """Sample responses for `prompts` (items of data.PromptDataset); one list of n responses per prompt.
 
         `version` is the trainer's current step: generating from older weights is a bug, so it raises.
+        validation: the val_* sampling settings; greedy: one response at temperature 0 (ReMax's baseline).
         """
         from vllm import SamplingParams
 
@@ -146,15 +153,14 @@ class Rollout:
             self.llm.wake_up()
             self.asleep = False
         cfg = self.cfg
-        params = SamplingParams(
-            n=cfg.val_n if validation else cfg.n,
-            temperature=cfg.val_temperature if validation else cfg.temperature,
-            top_p=cfg.val_top_p if validation else cfg.top_p,
-            top_k=cfg.top_k,
-            max_tokens=cfg.max_response_length,
-            logprobs=0,
-            seed=None,
-        )
+        if greedy:
+            n, temperature, top_p = 1, 0.0, 1.0
+        elif validation:
+            n, temperature, top_p = cfg.val_n, cfg.val_temperature, cfg.val_top_p
+        else:
+            n, temperature, top_p = cfg.n, cfg.temperature, cfg.top_p
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=cfg.top_k,
+                                max_tokens=cfg.max_response_length, logprobs=0)
         requests = [_vllm_prompt(p) for p in prompts]
         mine = slice(0, len(requests))
         if self.tp_group is not None:

@@ -1,11 +1,15 @@
-"""The GRPO pieces against numbers computed by hand, and the trainer's log-prob layout."""
+"""Every algorithm piece against numbers computed by hand; the trainer's log-prob layout; distributed exactness."""
 
+import json
 import math
 
 import pytest
 import torch
 
-from grpo import aggregate, batched_logprobs, grpo_advantages, kl_penalty, make_batch, ppo_clip_loss
+from conftest import torchrun
+from grpo import (AlgorithmConfig, adaptive_kl_coef, aggregate, batched_logprobs, cispo_loss, dr_grpo_advantages,
+                  grpo_advantages, grpo_passk_advantages, gspo_loss, gspo_token_loss, kl_penalty, make_batch,
+                  mixed_group, ppo_clip_loss, reinforce_pp_advantages, remax_advantages, rloo_advantages, sapo_loss)
 
 
 def test_grpo_advantages_by_hand():
@@ -19,8 +23,9 @@ def test_grpo_advantages_by_hand():
 
 
 def test_grpo_needs_two_responses_per_prompt():
-    with pytest.raises(ValueError, match="--rollout.n"):
-        grpo_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]))
+    for estimator in (grpo_advantages, dr_grpo_advantages, grpo_passk_advantages, rloo_advantages):
+        with pytest.raises(ValueError, match="--rollout.n"):
+            estimator(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]))
 
 
 def test_ppo_clip_loss_both_clips_and_dual_clip():
@@ -29,7 +34,8 @@ def test_ppo_clip_loss_both_clips_and_dual_clip():
     new = torch.tensor([[0.5, -0.5, -0.5, 1.5, 0.1]], requires_grad=True)
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -2.0]])
     mask = torch.ones(1, 5)
-    loss, stats = ppo_clip_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.3, clip_dual=3.0)
+    cfg = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_dual=3.0)
+    loss, stats = ppo_clip_loss(new, old, adv, mask, cfg)
     expected = [
         -1.3,                  # ratio 1.6487 clipped at 1 + 0.3
         -math.exp(-0.5),       # ratio 0.6065 with A > 0: the lower clip does not bind (max picks -0.6065)
@@ -93,3 +99,119 @@ def test_logprobs_do_not_depend_on_padding_or_batching(tmp_path):
         logits = model(torch.tensor([prompts[1] + responses[1]])).logits[0] / 0.7
     expected = torch.log_softmax(logits, -1)[torch.arange(1, 6), torch.tensor(responses[1])]
     torch.testing.assert_close(together[1], expected, atol=1e-5, rtol=0)
+
+
+# ----- issue 3: the rest of the family ------------------------------------------------------------
+
+
+def test_rloo_dr_grpo_passk_remax_by_hand():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 0.0, 0.5])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    # RLOO, group 0: 1 - (2 - 1)/3 = 0.6667, 0 - 2/3 = -0.6667; group 1 (sum 4.5): 3 - 1.5/3 = 2.5,
+    # 1 - 3.5/3 = -0.1667, 0 - 4.5/3 = -1.5, 0.5 - 4/3 = -0.8333
+    torch.testing.assert_close(rloo_advantages(scores, groups),
+                               torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 2.5, -1 / 6, -1.5, -5 / 6]))
+    # Dr. GRPO: minus the group mean only (0.5 and 1.125)
+    torch.testing.assert_close(dr_grpo_advantages(scores, groups),
+                               torch.tensor([0.5, -0.5, -0.5, 0.5, 1.875, -0.125, -1.125, -0.625]))
+    # pass@k, group 1: best 3, second 1, std of [3, 1, 0, .5] = 1.314978 -> 2 / 1.314978 = 1.520938 on the best only;
+    # group 0 has a tie at the top: (1 - 1) / std = 0
+    passk = grpo_passk_advantages(scores, groups)
+    torch.testing.assert_close(passk, torch.tensor([0, 0, 0, 0, 1.520938, 0, 0, 0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(remax_advantages(torch.tensor([1.0, 0.0, 0.2]), torch.tensor([0.5, 0.5, 0.0])),
+                               torch.tensor([0.5, -0.5, 0.2]))
+
+
+def test_reinforce_pp_returns_and_global_whitening_by_hand():
+    token_rewards = torch.tensor([[0.0, 0.0, 1.0], [0.5, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # gamma 0.5: row 0 returns [0.25, 0.5, 1]; row 1 (pad at t=2) [0.5 - 0.5, -1, 0] = [0, -1, 0]
+    # valid returns [0.25, 0.5, 1, 0, -1]: mean 0.15, squared deviations sum 2.2, Bessel var 2.2 / 4 = 0.55 -> A = (G - 0.15) / 0.741620
+    adv = reinforce_pp_advantages(token_rewards, mask, gamma=0.5)
+    expected = (torch.tensor([[0.25, 0.5, 1.0], [0.0, -1.0, 0.15]]) - 0.15) / math.sqrt(0.55 + 1e-8) * mask
+    torch.testing.assert_close(adv, expected)
+
+
+def test_gspo_uses_one_ratio_per_sequence():
+    cfg = AlgorithmConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.1, 0.3, 9.0], [1e-4, 1e-4, 1e-4]], requires_grad=True)  # [0, 2] is padding
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([[1.0] * 3, [1.0] * 3])
+    loss, stats = gspo_loss(new, old, adv, mask, cfg)
+    # row 0: s = mean(0.1, 0.3) = 0.2 -> r = e^0.2 = 1.2214 > 1 + 4e-4: every token clipped at -1.0004
+    # row 1: s = 1e-4 -> r = 1.0001, inside the range: -r on every token
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-1.0004] * 3, [-math.exp(1e-4)] * 3]))
+    assert stats["actor/clipfrac_higher"].tolist() == [[1, 1, 0], [0, 0, 0]]
+    (loss * mask).sum().backward()
+    # clipped sequence: no gradient. Unclipped: each of the 3 tokens carries -r(s) and ds/dl_t = 1/3,
+    # so d/dl_t of the sequence's summed loss = 3 x (-r / 3) = -r for every token
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0] * 3, [-math.exp(1e-4)] * 3]))
+
+
+def test_gspo_token_has_the_sequence_value_and_a_per_token_gradient():
+    cfg = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.3)
+    old = torch.zeros(1, 2)
+    new = torch.tensor([[0.0, 0.2]], requires_grad=True)
+    mask = torch.ones(1, 2)
+    adv = torch.tensor([[1.0, -2.0]])  # per-token advantages make the per-token gradient visible
+    loss, _ = gspo_token_loss(new, old, adv, mask, cfg)
+    s = 0.1  # sequence log-ratio: value exp(0.1) on both tokens
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-math.exp(s), 2 * math.exp(s)]]))
+    loss.sum().backward()
+    # rho_t = sg(s) + l_t - sg(l_t): d rho_t / d l_t = 1, so token t gets -A_t r (not the sequence mean)
+    torch.testing.assert_close(new.grad, torch.tensor([[-math.exp(s), 2 * math.exp(s)]]))
+
+
+def test_cispo_weight_is_clipped_and_detached():
+    cfg = AlgorithmConfig(clip_ratio_low=0.0, clip_ratio_high=4.0)
+    old = torch.zeros(1, 3)
+    new = torch.tensor([[math.log(6.0), math.log(0.5), 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, stats = cispo_loss(new, old, adv, torch.ones(1, 3), cfg)
+    # weights: r = 6 -> clipped to 5; r = 0.5 -> clipped up to 1 (lower bound 1 - 0); r = 1 -> 1
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-5 * math.log(6.0), -math.log(0.5), 0.0]]))
+    assert stats["actor/clipfrac_higher"].tolist() == [[1, 0, 0]] and stats["actor/clipfrac_lower"].tolist() == [[0, 1, 0]]
+    loss.sum().backward()
+    # the weight is a constant: dL/dl = -A * weight, even for the clipped token (PPO would give it 0)
+    torch.testing.assert_close(new.grad, torch.tensor([[-5.0, -1.0, 1.0]]))
+
+
+def test_sapo_soft_gate():
+    old = torch.zeros(1, 2)
+    new = torch.zeros(1, 2, requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0]])
+    loss, _ = sapo_loss(new, old, adv, torch.ones(1, 2), AlgorithmConfig())
+    # r = 1: L = -A (4 / tau) sigmoid(0) = -2A / tau: tau 1 for A > 0, 1.05 for A < 0
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-2.0, 2 / 1.05]]))
+    loss.sum().backward()
+    # dL/dl = -A (4 / tau) tau sigmoid'(0) r = -A at r = 1, as PPO
+    torch.testing.assert_close(new.grad, torch.tensor([[-1.0, 1.0]]))
+
+
+def test_seq_mean_token_sum_and_adaptive_kl_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # (1 + 2 + 4) / (2 sequences x 4) = 0.875
+    assert aggregate(loss, mask, "seq-mean-token-sum", 3, 2, token_sum_norm=4).item() == pytest.approx(0.875)
+    assert adaptive_kl_coef(0.1, kl=0.2, target=0.1, horizon=1000, batch_size=100) == pytest.approx(0.102)
+    assert adaptive_kl_coef(0.1, kl=0.09, target=0.1, horizon=1000, batch_size=100) == pytest.approx(0.1 * (1 - 0.01))
+
+
+def test_dynamic_sampling_keeps_only_mixed_groups():
+    group_scores = [[{"acc": 0.0}] * 4, [{"acc": 1.0}] * 4, [{"acc": 1.0}, {"acc": 0.0}, {"acc": 0.0}, {"acc": 0.0}]]
+    assert [mixed_group(g, "acc", 0.01, 0.99) for g in group_scores] == [False, False, True]
+    with pytest.raises(KeyError, match="--algorithm.filter-key"):
+        mixed_group([{"overall": 1.0}], "acc", 0.01, 0.99)
+
+
+@pytest.mark.parametrize("loss_agg_mode, loss_type", [("token-mean", "ppo_clip"), ("seq-mean-token-mean", "gspo"),
+                                                      ("seq-mean-token-sum", "cispo")])
+def test_two_ranks_two_micro_batches_equal_one_batch(tmp_path, loss_agg_mode, loss_type):
+    """Under torchrun (gloo, FSDP2): 2 ranks x 2 micro-batches give the gradient of the whole batch at once."""
+    out = tmp_path / "result.json"
+    torchrun(["tests/algorithms_worker.py", loss_agg_mode, loss_type, str(out)])
+    result = json.loads(out.read_text())
+    assert result["grad_scale"] > 1e-3, "the test batch must produce a real gradient"
+    assert result["grad_diff"] < 1e-5 * max(1.0, result["grad_scale"])
+    assert result["whitening_diff"] < 1e-5

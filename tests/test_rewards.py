@@ -6,7 +6,7 @@ import threading
 import pytest
 import tyro
 
-from rewards import RewardConfig, RewardError, RewardFunction, math, r1v, toy
+from rewards import RewardConfig, RewardError, RewardFunction, math, overlong_penalty, r1v, toy
 
 
 def sample(response: str, ground_truth="7") -> dict:
@@ -247,3 +247,24 @@ def test_missing_file_function_or_builtin_is_a_clear_error(user_file, tmp_path):
         RewardFunction(RewardConfig(f"{user_file}:not_callable"))
     with pytest.raises(RewardError, match="unknown reward 'maths'.*toy, math, r1v"):
         RewardFunction(RewardConfig("maths"))
+
+
+# ----- DAPO overlong shaping -------------------------------------------------------------------------
+
+def test_overlong_penalty_by_hand():
+    # max 20, buffer 4: free up to 16 tokens, then -1/4 per token, -1 at 20 (and never below)
+    assert [overlong_penalty(n, 20, 4) for n in (10, 16, 17, 18, 20, 25)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+
+
+def test_overlong_shaping_is_added_to_overall_and_logged():
+    reward = RewardFunction(RewardConfig("toy", overlong_buffer=4, overlong_penalty_factor=0.5), max_response_length=20)
+    inputs = [sample("7", "7"), sample("7", "7")]
+    inputs[0]["response_length"], inputs[1]["response_length"] = 2, 18
+    first, second = reward(inputs)
+    assert first["overall"] == 1.0 and first["overlong_penalty"] == 0.0
+    assert second["overall"] == pytest.approx(1.0 - 0.5 * 0.5) and second["overlong_penalty"] == pytest.approx(-0.25)
+
+
+def test_overlong_buffer_must_fit_the_response_length():
+    with pytest.raises(RewardError, match="--reward.overlong-buffer 8"):
+        RewardFunction(RewardConfig("toy", overlong_buffer=8), max_response_length=4)

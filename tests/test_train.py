@@ -21,11 +21,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def test_three_steps_end_to_end(tmp_path):
+    # 2 PPO epochs x 2 mini-batches of 4 prompts: 4 optimizer steps per training step
     torchrun(["grpo.py", "--trainer.total-steps", "3", "--trainer.output-dir", str(tmp_path),
-              "--trainer.experiment-name", "e2e", "--trainer.val-freq", "2", *FAST])
+              "--trainer.experiment-name", "e2e", "--trainer.val-freq", "2", *FAST,
+              "--trainer.global-batch-size", "4", "--trainer.ppo-epochs", "2"])
     run_dir = tmp_path / "e2e"
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["actor/optimizer_steps"] == 4 for m in metrics)
     for m in metrics:
         assert all(math.isfinite(v) for v in m.values()), m
         for key in ("train/reward_overall", "train/reward_accuracy_std", "train/response_length_max",
@@ -70,7 +73,8 @@ def test_multi_node_on_loopback(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--rollout.n", "1"], "--rollout.n 1: GRPO"),
+    (["--rollout.n", "1"], "--rollout.n 1: grpo compares responses within a group"),
+    (["--algorithm.use-kl-in-reward"], "pick one place for the KL"),
     (["--trainer.rollout-batch-size", "30", "--trainer.global-batch-size", "8"], "--trainer.rollout-batch-size 30 must be a multiple"),
     (["--actor.micro-batch-size", "3"], "--actor.micro-batch-size 3 must divide"),
 ])
@@ -85,3 +89,34 @@ def test_invalid_config_fails_before_loading_anything(tmp_path, flags, message):
 def test_unknown_preset_lists_the_presets():
     proc = subprocess.run([sys.executable, "grpo.py", "nosuchpreset"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0 and "unknown preset 'nosuchpreset'" in proc.stderr and "toy" in proc.stderr
+
+
+PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if p.stem not in ("math",))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_algorithm_preset_runs(tmp_path, preset):
+    """Each preset (configs/<algorithm>.yaml) trains 2 steps on the tiny model with finite metrics."""
+    # DAPO's filter needs groups with mixed results: 16 samples per prompt find them at random weights
+    n = ["--rollout.n", "16"] if preset == "dapo" else ["--rollout.n", "4"]
+    torchrun(["grpo.py", preset, "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
+              "--trainer.experiment-name", preset, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+              "--trainer.no-save-final", *FAST, *n])
+    metrics = read_metrics(tmp_path / preset)
+    assert len(metrics) == 2
+    for m in metrics:
+        assert all(math.isfinite(v) for v in m.values()), m
+        assert m["rollout/logprob_diff_max"] < 1e-3
+    config = json.loads((tmp_path / preset / "config.json").read_text())
+    if preset == "dapo":
+        assert config["algorithm"]["online_filtering"] and "train/reward_overlong_penalty" in metrics[0]
+        assert all(m["rollout/sampling_rounds"] >= 1 and 0 < m["rollout/kept_groups_ratio"] <= 1 for m in metrics)
+    if not (config["algorithm"]["use_kl_loss"] or config["algorithm"]["use_kl_in_reward"]):
+        assert metrics[0]["timing/ref_logprob"] < 0.05, "no KL: no reference model should run"
+
+
+def test_dynamic_sampling_stops_with_a_clear_error_after_the_round_limit(tmp_path):
+    """A random model almost never solves a prompt: 2 rounds of 4 samples cannot fill the batch."""
+    with pytest.raises(AssertionError, match="after 2 rounds some rank kept fewer than 4 groups"):
+        torchrun(["grpo.py", "dapo", "--algorithm.max-sampling-rounds", "2", "--trainer.total-steps", "1",
+                  "--trainer.output-dir", str(tmp_path), "--trainer.no-val-before-train", *FAST])
