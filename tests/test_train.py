@@ -57,6 +57,16 @@ def test_text_architectures_train(tmp_path, architecture):
     assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics)
 
 
+def test_tensor_parallel_rollout(tmp_path):
+    """Both ranks share one vLLM engine (TP=2): they pool their prompts, each keeps its own responses,
+    and after every sync the engine still matches the trainer."""
+    torchrun(["grpo.py", "--rollout.tensor-parallel-size", "2", "--trainer.total-steps", "2",
+              "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+              "--trainer.no-save-final", *FAST])
+    metrics = read_metrics(tmp_path / "toy-grpo")
+    assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics)
+
+
 def test_multi_node_on_loopback(tmp_path):
     """Two torchrun agents (--nnodes 2, one process each) rendezvous on 127.0.0.1 and train together."""
     port = free_port()
