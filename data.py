@@ -146,10 +146,10 @@ def load_template(path: str) -> jinja2.Template | None:
 class PromptDataset:
     """The prompts of one dataset, ready for the rollout. With the Qwen chat template, item i is e.g.
 
-        {"prompt": "<|im_start|>user\\nseven<|im_end|>\\n<|im_start|>assistant\\n",  # chat-templated text
+        {"prompt": "<|im_start|>user\\n2221512<|im_end|>\\n<|im_start|>assistant\\n",  # chat-templated text
          "prompt_ids": [1, 38, 36, 22, 35, 104, ...],    # its tokens (tiny.py), no special tokens added
-         "ground_truth": "7",                            # row[answer_key], any type
-         "row": {"problem": "seven", "answer": "7"},     # the full row, for the reward function
+         "ground_truth": "2",                            # row[answer_key], any type
+         "row": {"problem": "2221512", "answer": "2"},   # the full row, for the reward function
          "images": []}                                   # row[image_key], or [] when absent / None
     """
 
