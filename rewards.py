@@ -161,7 +161,7 @@ class RewardFunction:
     """The configured reward, called on a list of samples; every result is checked.
 
     RewardFunction(RewardConfig("toy"))([{"response": "7", "ground_truth": "7", ...}])
-    -> [{"overall": 1.0, "accuracy": 1.0, "exact": 1.0}]
+    -> [{"overall": 1.0, "accuracy": 1.0, "concise": 1.0}]
     """
 
     def __init__(self, config: RewardConfig, max_response_length: int = 0):
