@@ -123,11 +123,12 @@ class Rollout:
     def sync_weights(self, weights, version: int) -> None:
         """Load the trainer's weights in place: wake the weights, stream them in, then wake the KV cache.
 
-        `weights` yields (HF name, full tensor) and must be consumed whole on every rank.
+        `weights` yields (HF name, full tensor in self.dtype) and must be consumed whole on
+        every rank (fsdp_utils.stream_full_weights gathers and casts one parameter at a time).
         """
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        self._worker.reload_weights(weights_iterator=((n, t.to(self.dtype)) for n, t in weights))
+        self._worker.reload_weights(weights_iterator=weights)
         lm_head = getattr(self._model, "lm_head", None)
         if not self.on_gpu and lm_head is not None and hasattr(lm_head, "quant_method"):
             lm_head.quant_method.process_weights_after_loading(lm_head)  # refresh the CPU-packed head (tied)
