@@ -215,3 +215,46 @@ def test_two_ranks_two_micro_batches_equal_one_batch(tmp_path, loss_agg_mode, lo
     assert result["grad_scale"] > 1e-3, "the test batch must produce a real gradient"
     assert result["grad_diff"] < 1e-5 * max(1.0, result["grad_scale"])
     assert result["whitening_diff"] < 1e-5
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from grpo import ActorConfig, lr_lambda
+
+    factor = lr_lambda(ActorConfig(warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1), total_steps=6)
+    # warm-up (step + 1) / 2; then cosine over the 4 remaining steps from 1 down to 0.1
+    expected = [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)), 0.55,
+                0.1 + 0.9 * 0.5 * (1 + math.cos(3 * math.pi / 4))]
+    assert [factor(s) for s in range(6)] == pytest.approx(expected)
+    assert lr_lambda(ActorConfig(), total_steps=6)(5) == 1.0  # constant
+
+
+def test_non_finite_gradient_skips_the_optimizer_step(tmp_path):
+    """update_policy (one rank, gloo) steps on a finite gradient and skips a NaN one, weights untouched."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from conftest import free_port
+    from grpo import Config, update_policy
+    from tiny import build_tiny_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(build_tiny_model("qwen2", tmp_path / "m"))
+        cfg = Config()
+        cfg.algorithm.use_kl_loss, cfg.rollout.n, cfg.trainer.global_batch_size = False, 2, 1
+        batch = make_batch([[1, 20, 21], [1, 30]], [[50, 2], [60, 61, 2]], pad_id=0)
+        old = batched_logprobs(model, batch, cfg.rollout.temperature, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        before = [p.detach().clone() for p in model.parameters()]
+
+        nan_advantages = torch.full((2, 3), float("nan")) * batch["response_mask"]
+        metrics = update_policy(model, optimizer, batch, old, None, nan_advantages, cfg)
+        assert metrics["actor/skipped_steps"] == 1 and not math.isfinite(metrics["actor/grad_norm"])
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+        advantages = torch.tensor([[1.0], [-1.0]]) * batch["response_mask"]
+        metrics = update_policy(model, optimizer, batch, old, None, advantages, cfg)
+        assert metrics["actor/skipped_steps"] == 0 and metrics["actor/optimizer_steps"] == 1
+        assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    finally:
+        dist.destroy_process_group()
