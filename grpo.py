@@ -416,7 +416,7 @@ def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     positions = (batch["prompt_lengths"][:, None] - 1 + torch.arange(R)).clamp(max=logits.shape[1] - 1)  # [b, R]
     logits = logits.gather(1, positions.to(device)[..., None].expand(-1, -1, logits.shape[-1]))  # [b, R, V]
     logprobs = F.log_softmax(logits.float() / temperature, dim=-1)
-    return logprobs.gather(-1, batch["responses"].to(device)[..., None]).squeeze(-1).cpu()  # [b, R]
+    return logprobs.gather(-1, batch["responses"].to(device)[..., None]).squeeze(-1)  # [b, R], on the model's device
 
 
 @torch.no_grad()
