@@ -1,8 +1,12 @@
-"""FSDP2 plumbing: the process group, sharded model loading, the weight stream, the final save.
+"""FSDP2 plumbing: the process group and its collectives, sharded model loading, gathering for
+generation, the weight stream, the final save.
 
 Design decisions:
 - One process per device (torchrun). NCCL on GPU, gloo on CPU, chosen from what the machine has.
   Multi-node is torchrun's job (`--nnodes`, `--node_rank`, `--master_addr`): nothing here changes.
+- Collectives run on the training device: NCCL only moves GPU tensors, so a reduction buffer built
+  on the CPU would crash there (and pass silently under gloo). Reduced values stay on the device until
+  the loop logs them (`to_floats`), one host sync per step instead of one per number.
 - `fully_shard` on every block named in the model's `_no_split_modules` (decoder layers, and vision
   blocks for VLMs), then on the root, as torchtitan does. bf16 compute with fp32 master weights and
   fp32 gradient reduction on GPU; plain fp32 on CPU (no fast bf16 matmul path worth the rounding there).
@@ -16,6 +20,8 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -30,26 +36,62 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join torchrun's process group; a plain `python grpo.py` runs as a world of one."""
+def init_distributed(timeout_minutes: float = 30) -> tuple[int, int, torch.device]:
+    """Join torchrun's process group; a plain `python grpo.py` runs as a world of one.
+
+    The timeout bounds every collective, the first ones included: while rank 0 reads a large checkpoint
+    the other ranks wait in the broadcast that follows, so it must cover that read.
+    """
     for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                          ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
         os.environ.setdefault(key, default)
+    timeout = timedelta(minutes=timeout_minutes)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def load_sharded_model(path: str, device: torch.device, trainable: bool, gradient_checkpointing: bool = False):
-    """Build the HF model on the meta device, shard it with FSDP2, fill it from rank 0's checkpoint."""
+def all_reduce(values: dict[str, float | torch.Tensor], device: torch.device,
+               op=dist.ReduceOp.SUM) -> dict[str, torch.Tensor]:
+    """Reduce a dict of numbers over all ranks in one collective; the results stay on `device` (0-dim, float64).
+
+    `device` is the training device: NCCL needs its buffers there. Example, 2 ranks, SUM:
+    {"tokens": 3, "loss": tensor(1.5)} and {"tokens": 5, "loss": tensor(0.5)} -> {"tokens": 8., "loss": 2.}
+    """
+    buffer = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values.values()])
+    dist.all_reduce(buffer, op=op)
+    return dict(zip(values, buffer.unbind()))
+
+
+def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's sum over all ranks, in float64 on the tensor's own device (REINFORCE++'s global whitening)."""
+    summed = tensor.detach().to(torch.float64)
+    dist.all_reduce(summed)
+    return summed.to(tensor.dtype)
+
+
+def to_floats(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
+    """Device numbers -> Python floats with one device-to-host copy (each `.item()` would wait on the GPU)."""
+    tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
+    on_host = dict(zip(tensors, torch.stack([v.to(torch.float64) for v in tensors.values()]).tolist())) if tensors else {}
+    return {k: on_host[k] if k in on_host else float(v) for k, v in metrics.items()}
+
+
+def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: torch.dtype = torch.float32,
+                       gradient_checkpointing: bool = False):
+    """Build the HF model on the meta device, shard it with FSDP2, fill it from rank 0's checkpoint.
+
+    `dtype` is the stored (master) dtype: fp32 for the actor; the frozen reference needs no fp32 master
+    copy, so on GPU it is stored in bf16, half the memory.
+    """
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mixed_precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -61,7 +103,7 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, gradien
     fully_shard(model, mp_policy=mixed_precision)
     model.to_empty(device=device)
 
-    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) if dist.get_rank() == 0 else None
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype) if dist.get_rank() == 0 else None
     set_model_state_dict(model, full.state_dict() if full is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     full_buffers = dict(full.named_buffers()) if full is not None else {}
@@ -75,15 +117,41 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, gradien
     return model
 
 
+@contextmanager
+def gathered(model: torch.nn.Module):
+    """Every FSDP unit's full parameters, gathered once, for many forwards without a collective (generation).
+
+    FSDP2 all-gathers a unit at each forward and frees it after. Generating T tokens would cost T gathers of
+    the whole model and, worse, hang when ranks generate different numbers of tokens: a rank that stops
+    early no longer joins the gathers the others wait in. Gathered once up front (in the compute dtype),
+    each rank's generation is local. Peak memory: one full copy of the parameters, as a vLLM engine holds.
+    """
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    if units:
+        model.set_reshard_after_forward(False)
+    try:
+        yield model
+    finally:
+        if units:  # back to FSDP2's defaults: blocks reshard after forward, the root stays gathered
+            model.set_reshard_after_forward(True)
+            model.set_reshard_after_forward(False, recurse=False)
+            for unit in units[1:]:  # units[0] is the root: left gathered, as after any forward
+                unit.reshard()
+
+
+@torch.no_grad()
 def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor in `dtype`), gathering one parameter at a time: never a second model copy.
 
+    Each shard is cast before the gather, so a bf16 engine moves half the bytes of the fp32 master weights.
     Every rank must consume the whole stream in the same order (each `full_tensor()` is a collective).
     Tied parameters appear once (under the input embedding's name), as `named_parameters` dedups them.
     """
     for name, param in model.named_parameters():
-        tensor = param.full_tensor() if isinstance(param, DTensor) else param
-        yield name, tensor.detach().to(dtype)
+        shard = param.to(dtype)
+        yield name, shard.full_tensor() if isinstance(shard, DTensor) else shard
 
 
 def save_hf_model(model: FSDPModule, tokenizer, path: str | Path) -> None:

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,9 +38,9 @@ import yaml
 from torch.distributed.tensor import DTensor
 
 from data import DataConfig, PromptDataset, PromptLoader, load_rows, shard
-from fsdp_utils import init_distributed, load_sharded_model, save_hf_model, stream_full_weights
+from fsdp_utils import all_reduce, init_distributed, load_sharded_model, save_hf_model, sum_over_ranks, to_floats
 from rewards import RewardConfig, RewardFunction
-from rollout import Rollout, RolloutConfig, vllm_environment
+from rollout import RolloutConfig, build_rollout, vllm_environment
 
 
 @dataclass
@@ -132,6 +133,8 @@ class TrainerConfig:
     """Run folder name: metrics.jsonl and the final model go to output_dir/experiment_name."""
     seed: int = 1
     """Seed of the model-side randomness (data order and sampling have their own seeds)."""
+    dist_timeout_minutes: float = 30.0
+    """Timeout of every collective: it must cover rank 0 reading the checkpoint while the others wait."""
 
 
 @dataclass
@@ -151,61 +154,56 @@ class Config:
 # ==================================================================================================
 
 
-def _by_group(scores: torch.Tensor, groups: torch.Tensor, name: str, fn) -> torch.Tensor:
-    """Apply fn(scores of one group) -> advantages of that group, for every group (prompt)."""
-    advantages = torch.zeros_like(scores)
-    for g in groups.unique():
-        members = groups == g
-        if members.sum() < 2:
-            raise ValueError(f"{name} compares the responses to one prompt: it needs --rollout.n >= 2")
-        advantages[members] = fn(scores[members])
-    return advantages
+def _check_groups(scores: torch.Tensor, name: str) -> None:
+    if scores.shape[-1] < 2:
+        raise ValueError(f"{name} compares the responses to one prompt: it needs --rollout.n >= 2")
 
 
-def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), Bessel-corrected std within each group g.
 
-    scores [B], groups [B] (group id of each response) -> advantages [B]. A group of equal scores gets 0.
-    Example: scores [1, 0, 0, 1] in one group: mean 0.5, std 0.577 -> [0.866, -0.866, -0.866, 0.866].
+    scores [G, n] (the n responses to each of G prompts) -> advantages [G, n]. A group of equal scores gets 0.
+    Example: one group [1, 0, 0, 1]: mean 0.5, std 0.577 -> [0.866, -0.866, -0.866, 0.866].
     """
-    return _by_group(scores, groups, "GRPO", lambda s: (s - s.mean()) / (s.std() + eps))
+    _check_groups(scores, "GRPO")
+    return (scores - scores.mean(-1, keepdim=True)) / (scores.std(-1, keepdim=True) + eps)
 
 
-def dr_grpo_advantages(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+def dr_grpo_advantages(scores: torch.Tensor) -> torch.Tensor:
     """Dr. GRPO: A_i = R_i - mean_g R (no std division, which over-weights near-uniform groups).
 
     Example: [1, 0, 0, 1] -> [0.5, -0.5, -0.5, 0.5]. Pair it with loss_agg_mode seq-mean-token-sum.
     """
-    return _by_group(scores, groups, "Dr. GRPO", lambda s: s - s.mean())
+    _check_groups(scores, "Dr. GRPO")
+    return scores - scores.mean(-1, keepdim=True)
 
 
-def grpo_passk_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def grpo_passk_advantages(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """GRPO pass@k: only the best response of a group learns, A = (R_max - R_second) / (std_g R + eps).
 
     Example: [1, 0, 0, 0.5] -> best gets (1 - 0.5) / (0.479 + eps) = 1.044, the others 0.
     """
-    def best_only(s):
-        advantages = torch.zeros_like(s)
-        top = s.topk(2).values
-        advantages[s.argmax()] = (top[0] - top[1]) / (s.std() + eps)
-        return advantages
-    return _by_group(scores, groups, "GRPO pass@k", best_only)
+    _check_groups(scores, "GRPO pass@k")
+    top = scores.topk(2, dim=-1).values  # [G, 2]
+    best = F.one_hot(scores.argmax(-1), scores.shape[-1]).to(scores.dtype)  # [G, n], the first best of each group
+    return best * (top[:, :1] - top[:, 1:]) / (scores.std(-1, keepdim=True) + eps)
 
 
-def rloo_advantages(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """RLOO: A_i = R_i - (sum_g R - R_i) / (|g| - 1), each response against the mean of the others.
+def rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
+    """RLOO: A_i = R_i - (sum_g R - R_i) / (n - 1), each response against the mean of the others.
 
     Example: [1, 0, 0, 1] -> 1 - 1/3 = 0.667 and 0 - 2/3 = -0.667: [0.667, -0.667, -0.667, 0.667].
     """
-    return _by_group(scores, groups, "RLOO", lambda s: s - (s.sum() - s) / (len(s) - 1))
+    _check_groups(scores, "RLOO")
+    return scores - (scores.sum(-1, keepdim=True) - scores) / (scores.shape[-1] - 1)
 
 
 def remax_advantages(scores: torch.Tensor, baselines: torch.Tensor) -> torch.Tensor:
-    """ReMax: A_i = R_i - b_i, b = the reward of the prompt's greedy response (an extra rollout, temperature 0).
+    """ReMax: A_i = R_i - b, b = the reward of the prompt's greedy response (an extra rollout, temperature 0).
 
-    Example: scores [1, 0], the greedy answer scored 0.5 -> [0.5, -0.5].
+    scores [G, n], baselines [G]. Example: scores [[1, 0]], the greedy answer scored 0.5 -> [[0.5, -0.5]].
     """
-    return scores - baselines
+    return scores - baselines[:, None]
 
 
 def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
@@ -222,10 +220,10 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gam
         running = token_rewards[:, t] + gamma * running
         returns[:, t] = running
         running = running * mask[:, t]  # nothing flows back from padding past the EOS
-    count, total = sum_over_ranks(torch.stack([mask.sum(), (returns * mask).sum()])).tolist()
+    count, total = sum_over_ranks(torch.stack([mask.sum(), (returns * mask).sum()]))
     mean = total / count
-    var = sum_over_ranks(((returns - mean).square() * mask).sum()).item() / max(count - 1, 1)
-    return (returns - mean) / math.sqrt(var + 1e-8) * mask
+    var = sum_over_ranks(((returns - mean).square() * mask).sum()) / (count - 1).clamp(min=1)
+    return (returns - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -349,19 +347,22 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: 
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def compute_advantages(estimator: str, token_rewards, mask, groups, baselines, gamma: float, sum_over_ranks):
-    """Dispatch to an estimator: outcome estimators get one score per response, broadcast over its tokens."""
+def compute_advantages(estimator: str, token_rewards, mask, n: int, baselines, gamma: float, sum_over_ranks):
+    """Dispatch to an estimator: outcome estimators get one score per response, broadcast over its tokens.
+
+    The responses are in groups of n consecutive rows (one group per prompt); baselines [G] (ReMax) or None.
+    """
     if estimator == "reinforce_plus_plus":
         return reinforce_pp_advantages(token_rewards, mask, gamma, sum_over_ranks)
-    scores = token_rewards.sum(-1)  # [B]
+    scores = token_rewards.sum(-1).view(-1, n)  # [G, n]
     outcome = {
-        "grpo": lambda: grpo_advantages(scores, groups),
-        "dr_grpo": lambda: dr_grpo_advantages(scores, groups),
-        "grpo_passk": lambda: grpo_passk_advantages(scores, groups),
-        "rloo": lambda: rloo_advantages(scores, groups),
+        "grpo": lambda: grpo_advantages(scores),
+        "dr_grpo": lambda: dr_grpo_advantages(scores),
+        "grpo_passk": lambda: grpo_passk_advantages(scores),
+        "rloo": lambda: rloo_advantages(scores),
         "remax": lambda: remax_advantages(scores, baselines),
     }[estimator]()
-    return outcome[:, None] * mask  # [B, R]
+    return outcome.reshape(-1, 1) * mask  # [B, R]
 
 
 def mixed_group(scores: list[dict[str, float]], key: str, low: float, high: float) -> bool:
@@ -381,8 +382,13 @@ def mixed_group(scores: list[dict[str, float]], key: str, low: float, high: floa
 # ==================================================================================================
 
 
-def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> dict:
-    """Right-padded [prompt | response] sequences plus the response layout used by every loss."""
+def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+               rollout_logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu") -> dict:
+    """Right-padded [prompt | response] sequences plus the response layout used by every loss, on `device`.
+
+    Built on the host and moved once. `rollout_logprobs` (the engine's log-prob of each sampled token)
+    rides along as `rollout_logprobs` [B, R], zero on padding.
+    """
     B = len(prompt_ids)
     T = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
     R = max(1, max(len(r) for r in response_ids))
@@ -393,13 +399,18 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
         input_ids[b, : len(p) + len(r)] = torch.tensor(p + r)
         responses[b, : len(r)] = torch.tensor(r)
         response_mask[b, : len(r)] = 1
-    return {
+    batch = {
         "input_ids": input_ids,
         "position_ids": torch.arange(T).expand(B, T),  # [B, T]; 3-D (mrope) for vision-language models
         "prompt_lengths": torch.tensor([len(p) for p in prompt_ids]),  # [B]
         "responses": responses,
         "response_mask": response_mask,
     }
+    if rollout_logprobs is not None:
+        batch["rollout_logprobs"] = torch.zeros(B, R)  # [B, R]
+        for b, logprobs in enumerate(rollout_logprobs):
+            batch["rollout_logprobs"][b, : len(logprobs)] = torch.tensor(logprobs)
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def select(batch: dict, index) -> dict:
@@ -408,15 +419,14 @@ def select(batch: dict, index) -> dict:
 
 def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     """log pi(response token | everything before it), logits divided by the sampling temperature -> [b, R]."""
-    device = next(model.parameters()).device
-    logits = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
-                   use_cache=False).logits  # [b, T, V]
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits  # [b, T, V]
     R = batch["responses"].shape[1]
     # response token t of sample b sits at position prompt_length_b + t, predicted from the position before
-    positions = (batch["prompt_lengths"][:, None] - 1 + torch.arange(R)).clamp(max=logits.shape[1] - 1)  # [b, R]
-    logits = logits.gather(1, positions.to(device)[..., None].expand(-1, -1, logits.shape[-1]))  # [b, R, V]
+    offsets = torch.arange(R, device=logits.device)  # [R]
+    positions = (batch["prompt_lengths"][:, None] - 1 + offsets).clamp(max=logits.shape[1] - 1)  # [b, R]
+    logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))  # [b, R, V]
     logprobs = F.log_softmax(logits.float() / temperature, dim=-1)
-    return logprobs.gather(-1, batch["responses"].to(device)[..., None]).squeeze(-1)  # [b, R], on the model's device
+    return logprobs.gather(-1, batch["responses"][..., None]).squeeze(-1)  # [b, R]
 
 
 @torch.no_grad()
@@ -426,35 +436,18 @@ def batched_logprobs(model, batch: dict, temperature: float, micro_batch_size: i
                       for i in range(0, B, micro_batch_size)])
 
 
-def comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    dist.all_reduce(tensor, op=op)
-    return tensor.tolist()
-
-
-def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's sum over all ranks (used by REINFORCE++'s global whitening)."""
-    summed = tensor.detach().to(comm_device(), torch.float64)
-    dist.all_reduce(summed)
-    return summed.to(tensor.device, tensor.dtype)
-
-
-def backward_mini_batch(model, batch: dict, old_logprobs, ref_logprobs, advantages, cfg: Config) -> dict[str, float]:
+def backward_mini_batch(model, batch: dict, old_logprobs, ref_logprobs, advantages, cfg: Config) -> dict:
     """Loss and backward over the micro-batches of one mini-batch (this rank's share of it).
 
     The accumulated gradient equals that of the whole mini-batch on all ranks at once: every micro-batch's
     loss is already divided by the global count (aggregate), and FSDP's average over ranks is undone.
-    Returns sums of per-token statistics (and the token count) for logging.
+    Returns sums of per-token statistics (and the token count) for logging, as tensors on the batch's device.
     """
     algo, world = cfg.algorithm, dist.get_world_size()
     mask = batch["response_mask"]
-    global_tokens, global_sequences = all_reduce([mask.sum().item(), mask.shape[0]])
+    counts = all_reduce({"tokens": mask.sum(), "sequences": mask.shape[0]}, mask.device)
     token_sum_norm = algo.token_sum_norm or cfg.rollout.max_response_length
-    sums: dict[str, float] = {"tokens": mask.sum().item()}
+    sums: dict[str, torch.Tensor] = {"tokens": mask.sum()}
     for start in range(0, mask.shape[0], cfg.actor.micro_batch_size):
         index = slice(start, start + cfg.actor.micro_batch_size)
         micro, micro_mask = select(batch, index), mask[index]
@@ -465,17 +458,17 @@ def backward_mini_batch(model, batch: dict, old_logprobs, ref_logprobs, advantag
             kl = kl_penalty(logprobs, ref_logprobs[index], algo.kl_penalty)
             loss = loss + algo.kl_coef * kl
             stats["actor/kl_loss"] = kl.detach()
-        aggregated = aggregate(loss, micro_mask, algo.loss_agg_mode, global_tokens, global_sequences, token_sum_norm)
+        aggregated = aggregate(loss, micro_mask, algo.loss_agg_mode, counts["tokens"], counts["sequences"], token_sum_norm)
         (aggregated * world).backward()  # FSDP averages gradients over ranks: * world makes it the global sum
         for key, value in stats.items():
-            sums[key] = sums.get(key, 0.0) + (value * micro_mask).sum().item()
+            sums[key] = sums.get(key, 0.0) + (value * micro_mask).sum()
     return sums
 
 
 def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, advantages, cfg: Config) -> dict:
     """PPO epochs x mini-batches, one optimizer step each (old log-probs were computed once, before)."""
     mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n // dist.get_world_size()
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}
     grad_norms, skipped = [], 0
     for _ in range(cfg.trainer.ppo_epochs):
         for start in range(0, batch["input_ids"].shape[0], mini_batch):
@@ -492,9 +485,8 @@ def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, adv
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
-    keys = sorted(k for k in sums if k != "tokens")
-    totals = all_reduce([sums[k] for k in keys] + [sums["tokens"]])
-    metrics = {k: v / totals[-1] for k, v in zip(keys, totals)}
+    totals = all_reduce(sums, batch["response_mask"].device)
+    metrics = {k: v / totals["tokens"] for k, v in totals.items() if k != "tokens"}
     metrics.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/optimizer_steps": len(grad_norms),
                     "actor/skipped_steps": skipped})
     return metrics
@@ -516,14 +508,14 @@ def score(reward_fn: RewardFunction, tokenizer, flat) -> list[dict[str, float]]:
     } for _, item, r in flat])
 
 
-def collect_rollouts(rollout: Rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: Config, version: int,
-                     timing: dict[str, float]):
+def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: Config, version: int,
+                     timing: dict[str, float], device: torch.device):
     """Generate and score rounds of prompts until this rank holds its share of groups.
 
     One round, unless dynamic sampling drops groups: then more rounds, in lockstep over all ranks, until
     every rank has rollout_batch_size / world_size kept groups (extras are cut). ReMax also generates one
     greedy response per prompt, whose score is that prompt's baseline.
-    Returns the kept (group, item, response) triples, their scores, the baselines (or None), sampling stats.
+    Returns the kept (group, item, response) triples, their scores, one baseline per group (or None), sampling stats.
     """
     algo = cfg.algorithm
     quota = cfg.trainer.rollout_batch_size // dist.get_world_size()
@@ -544,7 +536,7 @@ def collect_rollouts(rollout: Rollout, loader: PromptLoader, reward_fn, tokenize
             if not algo.online_filtering or mixed_group(group_scores, algo.filter_key, algo.filter_low, algo.filter_high):
                 kept.append((item, responses, group_scores, baselines[i]))
         generated += len(items)
-        if not algo.online_filtering or all_reduce([len(kept)], dist.ReduceOp.MIN)[0] >= quota:
+        if not algo.online_filtering or all_reduce({"kept": len(kept)}, device, dist.ReduceOp.MIN)["kept"] >= quota:
             break
     else:
         raise RuntimeError(
@@ -552,56 +544,53 @@ def collect_rollouts(rollout: Rollout, loader: PromptLoader, reward_fn, tokenize
             f"with {algo.filter_low} < mean {algo.filter_key} < {algo.filter_high} (this rank: {len(kept)}). "
             "Raise --algorithm.max-sampling-rounds, widen the bounds, or pick an easier start (model, data).")
     kept = kept[:quota]
-    kept_total, generated_total = all_reduce([len(kept), generated])
+    totals = all_reduce({"kept": len(kept), "generated": generated}, device)
     flat = [(g, item, r) for g, (item, responses, _, _) in enumerate(kept) for r in responses]
     scores = [s for _, _, group_scores, _ in kept for s in group_scores]
-    baselines = [b["overall"] for _, responses, _, b in kept for _ in responses] if greedy else None
-    stats = {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": kept_total / generated_total}
+    baselines = [b["overall"] for _, _, _, b in kept] if greedy else None
+    stats = {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": totals["kept"] / totals["generated"]}
     return flat, scores, baselines, stats
 
 
 def outcome_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Token rewards [B, R]: each response's score on its last valid token, zero elsewhere."""
-    token_rewards = torch.zeros_like(mask)
-    token_rewards[torch.arange(len(scores)), mask.sum(-1).long() - 1] = scores
-    return token_rewards
+    last = mask.sum(-1, keepdim=True).long() - 1  # [B, 1]
+    return torch.zeros_like(mask).scatter(1, last, scores[:, None].to(mask.dtype))
 
 
-def logprob_metrics(responses, old_logprobs, ref_logprobs, mask) -> dict[str, float]:
+def logprob_metrics(batch: dict, old_logprobs, ref_logprobs) -> dict[str, torch.Tensor]:
     """The engine-vs-trainer gap on the sampled tokens (a stale or mis-synced engine shows up here), the
     entropy proxy (mean -log p of sampled tokens) and the k1 KL to the reference, over all ranks."""
-    vllm_logprobs = torch.zeros_like(old_logprobs)  # [B, R]
-    for b, r in enumerate(responses):
-        vllm_logprobs[b, : len(r.logprobs)] = torch.tensor(r.logprobs)
-    diff = (old_logprobs - vllm_logprobs) * mask
-    kl = ((old_logprobs - ref_logprobs) * mask).sum().item() if ref_logprobs is not None else 0.0
-    tokens, gap, ratio, entropy, kl = all_reduce([mask.sum().item(), diff.abs().sum().item(),
-                                                  (diff.clamp(-20, 20).exp() * mask).sum().item(),
-                                                  (-old_logprobs * mask).sum().item(), kl])
-    return {"rollout/logprob_diff_mean": gap / tokens, "rollout/is_ratio_mean": ratio / tokens,
-            "rollout/logprob_diff_max": all_reduce([diff.abs().max().item()], dist.ReduceOp.MAX)[0],
-            "actor/entropy_proxy": entropy / tokens, "actor/kl_ref": kl / tokens}
+    mask = batch["response_mask"]
+    diff = (old_logprobs - batch["rollout_logprobs"]) * mask  # [B, R]
+    kl = ((old_logprobs - ref_logprobs) * mask).sum() if ref_logprobs is not None else 0.0
+    sums = all_reduce({"tokens": mask.sum(), "gap": diff.abs().sum(), "ratio": (diff.clamp(-20, 20).exp() * mask).sum(),
+                       "entropy": (-old_logprobs * mask).sum(), "kl": kl}, mask.device)
+    tokens = sums["tokens"]
+    return {"rollout/logprob_diff_mean": sums["gap"] / tokens, "rollout/is_ratio_mean": sums["ratio"] / tokens,
+            "rollout/logprob_diff_max": all_reduce({"max": diff.abs().max()}, mask.device, dist.ReduceOp.MAX)["max"],
+            "actor/entropy_proxy": sums["entropy"] / tokens, "actor/kl_ref": sums["kl"] / tokens}
 
 
-def score_metrics(prefix: str, scores: list[dict[str, float]], responses) -> dict[str, float]:
+def score_metrics(prefix: str, scores: list[dict[str, float]], responses, device: torch.device) -> dict[str, torch.Tensor]:
     """Mean/std of every reward key and response-length stats over all ranks."""
     keys = sorted(scores[0]) if scores else []
     lengths = [len(r.token_ids) for r in responses]
-    local = [len(scores), sum(lengths), sum(r.truncated for r in responses)]
+    sums = {"count": len(scores), "length": sum(lengths), "truncated": sum(r.truncated for r in responses)}
+    for key in keys:  # prefixed: a reward key may be called "length" too
+        sums[f"reward {key}"], sums[f"reward {key}^2"] = sum(s[key] for s in scores), sum(s[key] ** 2 for s in scores)
+    totals = all_reduce(sums, device)
+    count = totals["count"].clamp(min=1)
+    metrics = {f"{prefix}/response_length_mean": totals["length"] / count, f"{prefix}/clip_ratio": totals["truncated"] / count,
+               f"{prefix}/response_length_max": all_reduce({"max": max(lengths, default=0)}, device, dist.ReduceOp.MAX)["max"]}
     for key in keys:
-        local += [sum(s[key] for s in scores), sum(s[key] ** 2 for s in scores)]
-    totals = all_reduce(local)
-    count = max(totals[0], 1)
-    metrics = {f"{prefix}/response_length_mean": totals[1] / count, f"{prefix}/clip_ratio": totals[2] / count,
-               f"{prefix}/response_length_max": all_reduce([max(lengths, default=0)], dist.ReduceOp.MAX)[0]}
-    for j, key in enumerate(keys):
-        mean = totals[3 + 2 * j] / count
+        mean = totals[f"reward {key}"] / count
         metrics[f"{prefix}/reward_{key}"] = mean
-        metrics[f"{prefix}/reward_{key}_std"] = math.sqrt(max(totals[4 + 2 * j] / count - mean**2, 0.0))
+        metrics[f"{prefix}/reward_{key}_std"] = (totals[f"reward {key}^2"] / count - mean**2).clamp(min=0).sqrt()
     return metrics
 
 
-def validate(rollout, val_items, step, tokenizer, reward_fn, run_dir: Path) -> dict[str, float]:
+def validate(rollout, val_items, step, tokenizer, reward_fn, run_dir: Path, device: torch.device) -> dict:
     flat = flatten(val_items, rollout.generate(val_items, step, validation=True))
     scores = score(reward_fn, tokenizer, flat)
     if dist.get_rank() == 0:
@@ -610,7 +599,7 @@ def validate(rollout, val_items, step, tokenizer, reward_fn, run_dir: Path) -> d
                 f.write(json.dumps({"step": step, "prompt": item["prompt"], "ground_truth": str(item["ground_truth"]),
                                     "response": tokenizer.decode(response.token_ids, skip_special_tokens=True),
                                     "score": sample_scores}) + "\n")
-    return score_metrics("val", scores, [r for _, _, r in flat])
+    return score_metrics("val", scores, [r for _, _, r in flat], device)
 
 
 def lr_lambda(actor: ActorConfig, total_steps: int):
@@ -631,16 +620,24 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def resolve_model(model_path: str, output_dir: str) -> str:
-    """`tiny:ARCH` -> a tiny random model built once (by rank 0) under output_dir/models; else unchanged."""
+    """`tiny:ARCH` -> a tiny random model under output_dir/models, built on every node; else unchanged.
+
+    Nodes need not share a filesystem, so local rank 0 of each node builds it (deterministically), into a
+    private folder renamed into place: where nodes do share one, the first rename wins and the others find
+    the model there. Called before the process group exists (transformers' save_pretrained writes weights
+    on global rank 0 only once there is one); the caller's first barrier waits for it.
+    """
     if not model_path.startswith("tiny:"):
         return model_path
     from tiny import build_tiny_model
 
     path = Path(output_dir) / "models" / f"tiny-{model_path.removeprefix('tiny:')}"
-    if dist.get_rank() == 0 and not (path / "config.json").exists():
-        tmp = build_tiny_model(model_path.removeprefix("tiny:"), path.with_name(path.name + ".tmp"))
-        tmp.rename(path)
-    dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (path / "config.json").exists():
+        tmp = build_tiny_model(model_path.removeprefix("tiny:"), path.with_name(f"{path.name}.tmp-{os.getpid()}"))
+        try:
+            tmp.rename(path)
+        except OSError:  # another node's copy got there first (shared filesystem)
+            shutil.rmtree(tmp)
     return str(path)
 
 
@@ -664,6 +661,9 @@ def check_config(cfg: Config, world_size: int) -> None:
         problems.append("--algorithm.use-kl-loss and --algorithm.use-kl-in-reward: pick one place for the KL")
     if algo.online_filtering and algo.max_sampling_rounds < 1:
         problems.append("--algorithm.max-sampling-rounds must be at least 1")
+    if cfg.rollout.engine == "hf" and cfg.rollout.tensor_parallel_size != 1:
+        problems.append("--rollout.tensor-parallel-size applies to the vllm engine; the hf engine generates with the "
+                        "trainer's own model on each rank: drop the flag or use --rollout.engine vllm")
     if world_size % cfg.rollout.tensor_parallel_size:
         problems.append(f"--rollout.tensor-parallel-size {cfg.rollout.tensor_parallel_size} must divide the world size {world_size}")
     if problems:
@@ -677,7 +677,9 @@ def main(cfg: Config) -> None:
     from transformers import AutoTokenizer
 
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    rank, world, device = init_distributed()
+    model_path = resolve_model(cfg.actor.model_path, cfg.trainer.output_dir)
+    rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes)
+    dist.barrier()  # every node's tiny model is written
     torch.manual_seed(cfg.trainer.seed)
     console = Console(quiet=rank != 0, soft_wrap=True)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
@@ -686,7 +688,6 @@ def main(cfg: Config) -> None:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
 
     # ---- data, reward, models, engine ------------------------------------------------------------
-    model_path = resolve_model(cfg.actor.model_path, cfg.trainer.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_set = PromptDataset(load_rows(cfg.data.train_files), cfg.data, tokenizer, name=cfg.data.train_files)
     val_set = (PromptDataset(load_rows(cfg.data.val_files), cfg.data, tokenizer, name=cfg.data.val_files)
@@ -697,21 +698,24 @@ def main(cfg: Config) -> None:
     val_items = shard(val_set, rank, world) if val_set else []
     reward_fn = RewardFunction(cfg.reward, cfg.rollout.max_response_length)
 
-    actor = load_sharded_model(model_path, device, trainable=True, gradient_checkpointing=cfg.actor.gradient_checkpointing)
     algo = cfg.algorithm
     uses_kl = algo.use_kl_loss or algo.use_kl_in_reward
-    ref = load_sharded_model(model_path, device, trainable=False) if uses_kl else None  # no KL: no reference at all
+    actor = load_sharded_model(model_path, device, trainable=True, gradient_checkpointing=cfg.actor.gradient_checkpointing)
+    ref_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen: no fp32 master copy needed
+    ref = load_sharded_model(model_path, device, trainable=False, dtype=ref_dtype) if uses_kl else None  # no KL: none
     optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.actor.lr, betas=cfg.actor.betas,
                                   weight_decay=cfg.actor.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.actor, cfg.trainer.total_steps))
-    rollout = Rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length, device)
+    rollout = build_rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                            device, actor)
     kl_coef = algo.kl_coef  # changes over time with the adaptive KL-in-reward controller
 
     history: list[dict] = []
     start_time = time.perf_counter()
     if val_items and cfg.trainer.val_before_train:
         console.print("validation before training: " + json.dumps(
-            {k: round(v, 4) for k, v in validate(rollout, val_items, 0, tokenizer, reward_fn, run_dir).items()}))
+            {k: round(v, 4) for k, v in to_floats(validate(rollout, val_items, 0, tokenizer, reward_fn, run_dir,
+                                                            device)).items()}))
     columns = (TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -728,15 +732,15 @@ def main(cfg: Config) -> None:
                 clock = now
 
             # ---- generate + score (more rounds when dynamic sampling drops groups) ------------------------
-            flat, scores, baselines, metrics = collect_rollouts(rollout, loader, reward_fn, tokenizer, cfg, step - 1, timing)
+            flat, scores, baselines, metrics = collect_rollouts(rollout, loader, reward_fn, tokenizer, cfg, step - 1, timing,
+                                                                device)
             rollout.sleep()
             responses = [r for _, _, r in flat]
             clock = time.perf_counter()
 
             # ---- log-probs, advantages ----------------------------------------------------------------
             batch = make_batch([item["prompt_ids"] for _, item, _ in flat], [r.token_ids for r in responses],
-                               tokenizer.pad_token_id)
-            batch = {k: v.to(device) for k, v in batch.items()}
+                               tokenizer.pad_token_id, [r.logprobs for r in responses], device)
             mask = batch["response_mask"]
             old_logprobs = batched_logprobs(actor, batch, cfg.rollout.temperature, cfg.actor.micro_batch_size)
             lap("old_logprob")
@@ -749,15 +753,14 @@ def main(cfg: Config) -> None:
                 token_rewards -= kl_coef * kl_tokens
                 metrics["actor/kl_reward_coef"] = kl_coef
                 if algo.kl_type == "adaptive":
-                    kl_sum, kl_count = all_reduce([kl_tokens.sum().item(), mask.sum().item()])
-                    kl_coef = adaptive_kl_coef(kl_coef, kl_sum / kl_count, algo.kl_target, algo.kl_horizon,
+                    kl_sums = to_floats(all_reduce({"kl": kl_tokens.sum(), "tokens": mask.sum()}, device))
+                    kl_coef = adaptive_kl_coef(kl_coef, kl_sums["kl"] / kl_sums["tokens"], algo.kl_target, algo.kl_horizon,
                                                cfg.trainer.rollout_batch_size * cfg.rollout.n)
-            groups_t = torch.tensor([g for g, _, _ in flat], device=device)  # [B]
-            baselines_t = torch.tensor(baselines, device=device) if baselines is not None else None
-            advantages = compute_advantages(algo.adv_estimator, token_rewards, mask, groups_t, baselines_t, algo.gamma,
-                                            sum_over_ranks)  # [B, R]
+            baselines_t = torch.tensor(baselines, device=device) if baselines is not None else None  # [G]
+            advantages = compute_advantages(algo.adv_estimator, token_rewards, mask, cfg.rollout.n, baselines_t,
+                                            algo.gamma, sum_over_ranks)  # [B, R]
 
-            metrics.update(logprob_metrics(responses, old_logprobs, ref_logprobs, mask))
+            metrics.update(logprob_metrics(batch, old_logprobs, ref_logprobs))
 
             # ---- update ------------------------------------------------------------------------------
             metrics.update(update_policy(actor, optimizer, batch, old_logprobs, ref_logprobs, advantages, cfg))
@@ -765,20 +768,22 @@ def main(cfg: Config) -> None:
             lap("update")
 
             # ---- sync the engine ---------------------------------------------------------------------
-            rollout.sync_weights(stream_full_weights(actor, rollout.dtype), version=step)
+            rollout.sync_weights(actor, version=step)
             lap("sync")
 
             # ---- validate, log -------------------------------------------------------------------------
-            metrics.update(score_metrics("train", scores, responses))
+            metrics.update(score_metrics("train", scores, responses, device))
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
             if val_items and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or step == cfg.trainer.total_steps):
-                metrics.update(validate(rollout, val_items, step, tokenizer, reward_fn, run_dir))
+                metrics.update(validate(rollout, val_items, step, tokenizer, reward_fn, run_dir, device))
                 lap("validate")
             step_time = sum(timing.values())
             metrics.update(timing)
-            sequence_tokens = all_reduce([batch["input_ids"].numel()])[0]
+            sequence_tokens = all_reduce({"tokens": batch["input_ids"].numel()}, device)["tokens"]
             metrics.update({"timing/step": step_time, "perf/tokens_per_s": sequence_tokens / step_time,
-                            "perf/peak_memory_gib": all_reduce([peak_memory_gib(device)], dist.ReduceOp.MAX)[0]})
+                            "perf/peak_memory_gib": all_reduce({"peak": peak_memory_gib(device)}, device,
+                                                               dist.ReduceOp.MAX)["peak"]})
+            metrics = to_floats(metrics)  # the one device-to-host copy of the step's numbers
             history.append({"step": step, **metrics})
             if rank == 0:
                 with open(run_dir / "metrics.jsonl", "a") as f:
@@ -786,7 +791,7 @@ def main(cfg: Config) -> None:
             progress.console.print(
                 f"step {step:>4} | reward {metrics['train/reward_overall']:.3f} | len {metrics['train/response_length_mean']:.1f} "
                 f"| kl {metrics['actor/kl_ref']:.4f} | grad {metrics['actor/grad_norm']:.3f} "
-                f"| vllm gap {metrics['rollout/logprob_diff_mean']:.1e} | {step_time:.2f}s"
+                f"| engine gap {metrics['rollout/logprob_diff_mean']:.1e} | {step_time:.2f}s"
                 + (f" | val {metrics['val/reward_overall']:.3f}" if "val/reward_overall" in metrics else ""))
             progress.advance(task)
 

@@ -1,33 +1,41 @@
-"""The rollout engine: vLLM inside the training processes, its whole lifecycle in one place.
+"""The rollout engines: sample responses for the trainer, with their log-probs, from the current weights.
 
-Lifecycle per training step (see `Rollout`):
-    wake weights -> sync_weights(stream of the trainer's tensors) -> wake KV cache -> generate -> sleep
+Two engines behind one contract (`build_rollout`; `generate`, `sync_weights`, `sleep`, `shutdown`,
+`weights_version`), chosen with `--rollout.engine`:
+- `vllm` (`VLLMRollout`): a vLLM engine inside every training process. Fast; the default.
+- `hf` (`HFRollout`): transformers' `generate` on the trainer's own FSDP2 model. Slower, but runs wherever
+  the trainer runs: a GPU box without vLLM, Apple or AMD hardware, an architecture vLLM lacks; and it is
+  a second opinion when debugging the vLLM path.
+
+Lifecycle per training step:
+    sync_weights(model, step) -> generate -> sleep -> (the trainer trains) -> sync_weights(model, step + 1) ...
 Design decisions:
-- vLLM runs in-process (`distributed_executor_backend="external_launcher"`): every torchrun rank owns an
-  engine (or a tensor-parallel slice of one) and generates for its own prompts. No Ray, no server.
 - One explicit record of what the engine holds: `weights_version` is the training step whose weights
   were last loaded (0 = the checkpoint on disk). `generate` refuses to run on weights older than the
   trainer's, which is how a stale engine would otherwise slip through silently.
-- Weight sync streams one full tensor at a time into vLLM's in-place `reload_weights` (no disk round trip,
-  no second copy of the model). On CPU, vLLM pre-packs the output head for its GEMM; with tied embeddings
-  the reload refreshes the embedding but not that packed copy (observed with vLLM 0.32), so the head's
-  weight processing is re-run after every sync.
-- Sleep mode (level 1: weights offloaded to CPU, KV cache freed) frees GPU memory for training between
-  rollouts. The CPU platform refuses sleep mode, so there the engine simply stays resident.
-- Log-probs are vLLM's "processed" ones (after temperature), the same quantity the trainer computes, so
-  their gap measures engine staleness and numerics. With top_p < 1 or top_k > 0 vLLM renormalises over
-  the kept tokens, so the gap then also includes that truncation.
+- Log-probs are those of the distribution actually sampled from (after temperature, top-k, top-p), the
+  quantity the trainer recomputes, so their gap measures engine staleness and numerics. With top_p < 1
+  or top_k > 0 the engines renormalise over the kept tokens, so the gap then also includes that truncation.
+- Every request carries its own seed, derived from (seed, engine, step, call): the ranks of a
+  tensor-parallel engine then draw identical samples whatever else touched the global RNG (a user's
+  reward function, say), and a rerun draws the same samples.
 """
 
 import os
+import random
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from fsdp_utils import gathered, stream_full_weights
+
 
 @dataclass
 class RolloutConfig:
+    engine: Literal["vllm", "hf"] = "vllm"
+    """vllm: vLLM in every rank (fast); hf: transformers generate on the trainer's model (no vLLM needed, slower)."""
     n: int = 16
     """Responses sampled per prompt (the group size)."""
     temperature: float = 1.0
@@ -45,17 +53,17 @@ class RolloutConfig:
     val_top_p: float = 0.95
     """Nucleus threshold during validation."""
     tensor_parallel_size: int = 1
-    """Ranks that share one vLLM engine (tensor parallelism); must divide the world size."""
+    """vLLM: ranks that share one engine (tensor parallelism); must divide the world size."""
     gpu_memory_utilization: float = 0.5
-    """GPU: fraction of device memory vLLM may use for its weights and KV cache (the trainer shares the rest)."""
+    """vLLM on GPU: fraction of device memory for its weights and KV cache while it generates (it sleeps while the trainer trains)."""
     cpu_kv_cache_gib: float = 1.0
-    """CPU: GiB of RAM reserved for the KV cache of each engine."""
+    """vLLM on CPU: GiB of RAM reserved for the KV cache of each engine."""
     dtype: str = "auto"
-    """Engine dtype: auto = bfloat16 on GPU, float32 on CPU (matching the trainer's compute dtype)."""
-    enforce_eager: bool = True
-    """Skip CUDA graph capture (faster start-up, slower decoding); set False for long runs on GPU."""
+    """vLLM dtype: auto = bfloat16 on GPU, float32 on CPU (matching the trainer's compute dtype)."""
+    enforce_eager: bool = False
+    """vLLM on GPU: skip CUDA graph capture (faster start-up, slower decoding). On CPU vLLM always runs eagerly."""
     seed: int = 1
-    """Sampling seed; each engine adds its data-parallel index so ranks draw different samples."""
+    """Sampling seed; every request's seed derives from it, the engine's data-parallel index and the step."""
 
 
 @dataclass
@@ -63,12 +71,72 @@ class Response:
     token_ids: list[int]
     """Generated tokens, including the EOS token when the response finished."""
     logprobs: list[float]
-    """vLLM's log-prob of each generated token (after temperature)."""
+    """The engine's log-prob of each generated token (after temperature, top-k, top-p)."""
     truncated: bool
     """True when the response hit max_response_length instead of ending with EOS."""
 
 
-class Rollout:
+def build_rollout(cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device, model):
+    """The engine `cfg.engine` names; `model` is the trainer's FSDP2 model (the hf engine generates with it)."""
+    if cfg.engine == "hf":
+        return HFRollout(cfg, model, model_path, device)
+    return VLLMRollout(cfg, model_path, max_model_len, device)
+
+
+def check_version(engine, version: int) -> None:
+    if version != engine.weights_version:
+        raise RuntimeError(f"the rollout engine holds the weights of step {engine.weights_version} but the trainer "
+                           f"is at step {version}: sync_weights() was skipped")
+
+
+def sampling(cfg: RolloutConfig, validation: bool, greedy: bool) -> tuple[int, float, float]:
+    """(n, temperature, top_p) of a call: training, validation (val_*), or greedy (one sample, temperature 0)."""
+    if greedy:
+        return 1, 0.0, 1.0
+    if validation:
+        return cfg.val_n, cfg.val_temperature, cfg.val_top_p
+    return cfg.n, cfg.temperature, cfg.top_p
+
+
+class SeedStream:
+    """Seeds for the requests of successive calls: reproducible from (seed, engine, step, call index)."""
+
+    def __init__(self, seed: int, engine_index: int):
+        self.seed, self.engine_index, self.version, self.calls = seed, engine_index, -1, 0
+
+    def next(self, version: int) -> int:
+        """A base seed for the next call at `version` (the call counter restarts at every step)."""
+        self.calls = self.calls + 1 if version == self.version else 0
+        self.version = version
+        return random.Random(f"{self.seed}/{self.engine_index}/{version}/{self.calls}").randrange(2**62)
+
+
+# ==================================================================================================
+# vLLM: an engine in every training process
+# ==================================================================================================
+
+
+class VLLMRollout:
+    """vLLM in-process (`distributed_executor_backend="external_launcher"`): every torchrun rank owns an
+    engine (or a tensor-parallel slice of one) and generates for its own prompts. No Ray, no server.
+
+    Engine settings and why (vLLM 0.32):
+    - Sleep level 2 between rollouts (GPU): it frees the weights and the KV cache for training. Level 1
+      would copy the weights to pinned host memory and back every step, although every sync overwrites
+      them; level 2 keeps only the buffers (rotary caches), which vLLM saves and restores itself. The CPU
+      platform refuses sleep mode, so there the engine simply stays resident.
+    - Weight sync streams one full tensor at a time into the worker's in-place `reload_weights` (no disk
+      round trip, no second copy of the model). On CPU, vLLM pre-packs the output head for its GEMM; with
+      tied embeddings the reload refreshes the embedding but not that packed copy, so the head's weight
+      processing is re-run after every sync.
+    - Prefix caching on: the n samples of a prompt share one prefill. Its cache is reset at every sync,
+      so no KV computed with old weights is ever reused.
+    - CUDA graphs on GPU unless `--rollout.enforce-eager` (decoding is launch-bound for small batches);
+      the CPU platform has no graphs, so it runs eagerly.
+    - Per-request seeds (module docstring); vLLM seeds the k-th of a request's n samples with seed + k,
+      so consecutive requests' seeds are n apart. On CPU they need chunked prefill off (see below).
+    """
+
     def __init__(self, cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device):
         from vllm import LLM
 
@@ -78,17 +146,22 @@ class Rollout:
                       "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.dtype]
         memory = (dict(gpu_memory_utilization=cfg.gpu_memory_utilization) if self.on_gpu
                   else dict(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * 2**30)))
+        engine_index = dist.get_rank() // cfg.tensor_parallel_size
         self.llm = LLM(
             model=model_path,
             distributed_executor_backend="external_launcher",
             tensor_parallel_size=cfg.tensor_parallel_size,
-            seed=cfg.seed + dist.get_rank() // cfg.tensor_parallel_size,
+            seed=cfg.seed + engine_index,
             dtype=self.dtype,
             max_model_len=max_model_len,
             enable_sleep_mode=self.on_gpu,
-            enforce_eager=cfg.enforce_eager,
+            enforce_eager=cfg.enforce_eager or not self.on_gpu,
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False,
+            enable_prefix_caching=True,
+            # vLLM 0.32 rewinds a seeded request's generator when it discards a token sampled mid-way through a
+            # chunked prefill (gpu_model_runner._bookkeeping_sync: set_offset), which CPU generators cannot do
+            # ("CPU Generator does not use offset"): on CPU, prompts are prefilled whole instead
+            enable_chunked_prefill=self.on_gpu,
             **memory,
         )
         # Ranks sharing an engine (tensor parallelism) must submit identical requests: they pool their prompts.
@@ -96,9 +169,9 @@ class Rollout:
         if tp > 1:  # every rank creates every group, in the same order (new_group is collective)
             groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, dist.get_world_size(), tp)]
             self.tp_group = groups[dist.get_rank() // tp]
+        self.seeds = SeedStream(cfg.seed, engine_index)
         self.weights_version = 0  # the training step whose weights the engine holds (0: the checkpoint)
-        self.asleep = False
-        self.sleep()
+        self.asleep = False  # awake with the checkpoint's weights until the first rollout is done
 
     @property
     def _model(self) -> torch.nn.Module:
@@ -110,9 +183,9 @@ class Rollout:
         return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
 
     def sleep(self) -> None:
-        """Free the GPU for training: offload the weights, drop the KV cache (no-op on CPU)."""
+        """Free the GPU for training: drop the weights and the KV cache (no-op on CPU). Only a sync wakes it."""
         if self.on_gpu and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.asleep = True
 
     def shutdown(self) -> None:
@@ -120,15 +193,15 @@ class Rollout:
         would run after torch.distributed is gone and fail with "Invalid process group specified"."""
         self.llm.llm_engine.engine_core.shutdown()
 
-    def sync_weights(self, weights, version: int) -> None:
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
         """Load the trainer's weights in place: wake the weights, stream them in, then wake the KV cache.
 
-        `weights` yields (HF name, full tensor in self.dtype) and must be consumed whole on
-        every rank (fsdp_utils.stream_full_weights gathers and casts one parameter at a time).
+        Collective: every rank streams the whole model (fsdp_utils.stream_full_weights gathers and casts
+        one parameter at a time).
         """
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        self._worker.reload_weights(weights_iterator=weights)
+        self._worker.reload_weights(weights_iterator=stream_full_weights(model, self.dtype))
         lm_head = getattr(self._model, "lm_head", None)
         if not self.on_gpu and lm_head is not None and hasattr(lm_head, "quant_method"):
             lm_head.quant_method.process_weights_after_loading(lm_head)  # refresh the CPU-packed head (tied)
@@ -147,21 +220,11 @@ class Rollout:
         """
         from vllm import SamplingParams
 
-        if version != self.weights_version:
-            raise RuntimeError(f"vLLM holds the weights of step {self.weights_version} but the trainer is at "
-                               f"step {version}: sync_weights() was skipped")
+        check_version(self, version)
         if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
-        cfg = self.cfg
-        if greedy:
-            n, temperature, top_p = 1, 0.0, 1.0
-        elif validation:
-            n, temperature, top_p = cfg.val_n, cfg.val_temperature, cfg.val_top_p
-        else:
-            n, temperature, top_p = cfg.n, cfg.temperature, cfg.top_p
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=cfg.top_k,
-                                max_tokens=cfg.max_response_length, logprobs=0)
+            raise RuntimeError("the vLLM engine is asleep: sleep level 2 discarded its weights, so only sync_weights() "
+                               "can wake it (with the trainer's weights)")
+        n, temperature, top_p = sampling(self.cfg, validation, greedy)
         requests = [_vllm_prompt(p) for p in prompts]
         mine = slice(0, len(requests))
         if self.tp_group is not None:
@@ -169,6 +232,10 @@ class Rollout:
             dist.all_gather_object(pooled, requests, group=self.tp_group)
             first = sum(len(part) for part in pooled[: dist.get_rank() % self.cfg.tensor_parallel_size])
             requests, mine = [r for part in pooled for r in part], slice(first, first + len(requests))
+        seed = self.seeds.next(version)
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
+                                 max_tokens=self.cfg.max_response_length, logprobs=0, seed=seed + i * n)
+                  for i in range(len(requests))]
         outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
         return [[Response(token_ids=list(o.token_ids),
                           logprobs=[next(iter(step.values())).logprob for step in o.logprobs],
@@ -188,3 +255,119 @@ def vllm_environment() -> None:
     """Environment vLLM must see before it is imported (set once, at start-up)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine core in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+# ==================================================================================================
+# HF: transformers generate on the trainer's own model
+# ==================================================================================================
+
+
+class HFRollout:
+    """Generation with the trainer's FSDP2 model itself: nothing to load, so a sync only records the step.
+
+    - All parameters are gathered once per call (fsdp_utils.gathered), so generation issues no collective
+      and ranks that stop after different numbers of tokens cannot hang each other.
+    - Eval mode while generating: gradient checkpointing would otherwise turn the KV cache off.
+    - The sampling distribution (temperature, top-k, top-p) is applied by `_SampledLogprobs`, which also
+      records the log-prob of each sampled token; `generate` itself is asked for plain sampling, so no
+      other processor (a checkpoint's repetition penalty, say) changes what is sampled.
+    - Its own RNG stream (SeedStream under `torch.random.fork_rng`): the trainer's RNG is left untouched.
+    """
+
+    def __init__(self, cfg: RolloutConfig, model, model_path: str, device: torch.device):
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.cfg, self.model, self.device = cfg, model, device
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        try:  # stop where vLLM stops: the checkpoint's generation_config EOS ids (Qwen lists two), else the tokenizer's
+            eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        except OSError:
+            eos = None
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.seeds = SeedStream(cfg.seed, dist.get_rank())
+        self.weights_version = 0
+
+    def sleep(self) -> None:
+        """Nothing to free: the engine is the trainer's model."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop."""
+
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        """The engine generates with the trainer's model itself, so it holds step `version`'s weights already."""
+        self.weights_version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[dict], version: int, validation: bool = False,
+                 greedy: bool = False) -> list[list[Response]]:
+        """Same contract as VLLMRollout.generate (text prompts only)."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        check_version(self, version)
+        if any(p.get("images") for p in prompts):
+            raise NotImplementedError("the hf rollout engine generates from text prompts only; use --rollout.engine vllm "
+                                      "for image rows")
+        n, temperature, top_p = sampling(self.cfg, validation, greedy)
+        # left padding: every prompt ends where generation starts
+        P = max(len(p["prompt_ids"]) for p in prompts)
+        input_ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)  # [prompts, P]
+        attention_mask = torch.zeros(len(prompts), P, dtype=torch.long)  # [prompts, P]
+        for i, p in enumerate(prompts):
+            input_ids[i, P - len(p["prompt_ids"]):] = torch.tensor(p["prompt_ids"])
+            attention_mask[i, P - len(p["prompt_ids"]):] = 1
+        recorder = _SampledLogprobs(temperature, top_p, self.cfg.top_k)
+        config = GenerationConfig(do_sample=not greedy, num_return_sequences=n, max_new_tokens=self.cfg.max_response_length,
+                                  temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
+                                  eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
+        was_training = self.model.training
+        rng_devices = [self.device] if self.device.type == "cuda" else []
+        with gathered(self.model), torch.random.fork_rng(devices=rng_devices):
+            torch.manual_seed(self.seeds.next(version))
+            self.model.eval()
+            try:
+                sequences = self.model.generate(input_ids=input_ids.to(self.device), generation_config=config,
+                                                attention_mask=attention_mask.to(self.device),
+                                                logits_processor=LogitsProcessorList([recorder]), synced_gpus=False)
+            finally:
+                self.model.train(was_training)
+        tokens = sequences[:, P:]  # [prompts * n, T], the n samples of a prompt in consecutive rows
+        logprobs = recorder.finish(tokens)  # [prompts * n, T]
+        responses = []
+        for row, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+            end = next((t + 1 for t, token in enumerate(row) if token in self.eos_ids), None)
+            responses.append(Response(token_ids=row[:end], logprobs=row_logprobs[: end or len(row)],
+                                      truncated=end is None))
+        return [responses[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+class _SampledLogprobs:
+    """A logits processor that applies temperature, top-k and top-p, and records log p(sampled token).
+
+    `generate` calls it once per new token with the scores of that token; the token sampled from them is
+    only visible at the next call (as the last input id), so it keeps one step's log-softmax [rows, V]
+    and reads the sampled token's entry then: memory O(rows x V), not O(rows x tokens x V) as
+    `output_scores` would hold. Greedy (temperature 0): the raw logits, as vLLM reports.
+    """
+
+    def __init__(self, temperature: float, top_p: float, top_k: int):
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        self.temperature = temperature
+        self.warpers = ([TopKLogitsWarper(top_k)] if top_k > 0 else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+        self.previous, self.logprobs = None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.logprobs.append(self.previous.gather(1, input_ids[:, -1:]))  # [rows, 1]
+        if self.temperature > 0:
+            scores = scores / self.temperature
+            for warper in self.warpers:
+                scores = warper(input_ids, scores)
+        self.previous = scores.float().log_softmax(-1)  # [rows, V]
+        return scores
+
+    def finish(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs [rows, T] of the generated `tokens` [rows, T] (entries past an EOS are meaningless)."""
+        self.logprobs.append(self.previous.gather(1, tokens[:, -1:]))
+        return torch.cat(self.logprobs, dim=1)[:, : tokens.shape[1]]

@@ -1,30 +1,38 @@
-"""Run under torchrun by test_rollout.py: generate, perturb the FSDP weights, sync, compare log-probs."""
+"""Run under torchrun by test_rollout.py: generate, perturb the FSDP weights, sync, compare log-probs.
+
+argv: ENGINE (vllm | hf) ARCHITECTURE OUT. With the hf engine the two ranks get different response length
+limits (rank 0: 3 tokens, rank 1: 12), so they run different numbers of decoding steps: a collective
+inside generation would hang here.
+"""
 
 import json
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from fsdp_utils import init_distributed, load_sharded_model, stream_full_weights
 from grpo import batched_logprobs, make_batch
-from rollout import Rollout, RolloutConfig, vllm_environment
+from rollout import RolloutConfig, build_rollout, vllm_environment
 from tiny import build_tiny_model
+
+TEMPERATURE = 0.7
 
 
 def logprob_gap(actor, prompts, groups, pad_id):
-    """Max |trainer - vLLM| log-prob over every generated token."""
+    """Max |trainer - engine| log-prob over every generated token."""
     prompt_ids = [p["prompt_ids"] for p, g in zip(prompts, groups) for _ in g]
     responses = [r for g in groups for r in g]
     batch = make_batch(prompt_ids, [r.token_ids for r in responses], pad_id)
-    trainer = batched_logprobs(actor, batch, temperature=1.0, micro_batch_size=8)
+    trainer = batched_logprobs(actor, batch, temperature=TEMPERATURE, micro_batch_size=8)
     gap = 0.0
     for b, r in enumerate(responses):
         gap = max(gap, (trainer[b, : len(r.logprobs)] - torch.tensor(r.logprobs)).abs().max().item())
     return gap
 
 
-def main(architecture: str, out: str):
+def main(engine: str, architecture: str, out: str):
     vllm_environment()
     rank, world, device = init_distributed()
     path = f"{out}.model"
@@ -32,8 +40,10 @@ def main(architecture: str, out: str):
         build_tiny_model(architecture, path)
     dist.barrier()
     actor = load_sharded_model(path, device, trainable=True)
-    rollout = Rollout(RolloutConfig(n=4, max_response_length=12), path, max_model_len=64, device=device)
-    prompts = [{"prompt_ids": [1, 40 + i + rank, 41, 2, 1, 18]} for i in range(3)]
+    max_tokens = 3 if engine == "hf" and rank == 0 else 12
+    cfg = RolloutConfig(engine=engine, n=8, max_response_length=max_tokens, temperature=TEMPERATURE)
+    rollout = build_rollout(cfg, path, max_model_len=64, device=device, model=actor)
+    prompts = [{"prompt_ids": [1, 40 + i + rank, 41, 2, 1, 18][: 3 + i]} for i in range(4)]  # lengths 3..6
     before = rollout.generate(prompts, version=0)
     gap_initial = logprob_gap(actor, prompts, before, pad_id=0)
 
@@ -47,15 +57,25 @@ def main(architecture: str, out: str):
         rollout.generate(prompts, version=1)
     except RuntimeError as exc:
         stale_error = str(exc)
-    rollout.sync_weights(stream_full_weights(actor, rollout.dtype), version=1)
+    rollout.sync_weights(actor, version=1)
     after = rollout.generate(prompts, version=1)
     gap_synced = logprob_gap(actor, prompts, after, pad_id=0)
+
+    # the weight stream casts each shard before its gather: bf16 tensors equal to the full fp32 ones, cast
+    streamed = dict(stream_full_weights(actor, torch.bfloat16))
+    full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in actor.named_parameters()}
+    stream_exact = all(streamed[k].dtype == torch.bfloat16 and torch.equal(streamed[k], full[k].bfloat16()) for k in full)
+    # the frozen reference stored in bf16 (as on GPU): the checkpoint's log-probs (the first samples') within bf16 rounding
+    ref = load_sharded_model(path, device, trainable=False, dtype=torch.bfloat16)
+    ref_dtypes, ref_gap = sorted({str(p.dtype) for p in ref.parameters()}), logprob_gap(ref, prompts, before, pad_id=0)
     result = {
-        "rank": rank, "world": world,
+        "rank": rank, "world": world, "max_tokens": max_tokens,
         "n_per_prompt": [len(g) for g in after],
-        "responses": [[{"token_ids": r.token_ids, "truncated": r.truncated, "n_logprobs": len(r.logprobs)} for r in g] for g in after],
+        "responses": [[{"token_ids": r.token_ids, "truncated": r.truncated, "n_logprobs": len(r.logprobs)} for r in g]
+                      for g in before + after],
         "gap_initial": gap_initial, "gap_stale": gap_stale, "gap_synced": gap_synced, "stale_error": stale_error,
         "tied": bool(getattr(actor.config, "tie_word_embeddings", False)),
+        "stream_exact": stream_exact, "ref_dtypes": ref_dtypes, "ref_gap": ref_gap,
     }
     results = [None] * world
     dist.all_gather_object(results, result)
@@ -63,7 +83,8 @@ def main(architecture: str, out: str):
         with open(out, "w") as f:
             json.dump(results, f)
     dist.barrier()
+    rollout.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

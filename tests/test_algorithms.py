@@ -13,19 +13,19 @@ from grpo import (AlgorithmConfig, adaptive_kl_coef, aggregate, batched_logprobs
 
 
 def test_grpo_advantages_by_hand():
-    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 3.0, 1.0])
-    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])
-    adv = grpo_advantages(scores, groups)
-    # group 0: mean 0.5, Bessel std sqrt(1/3) = 0.57735 -> +-0.5 / 0.57735 = +-0.866025
-    # group 1: all equal -> 0; group 2: mean 2, std sqrt(2) -> +-1 / 1.414214 = +-0.707107
-    expected = torch.tensor([0.866025, -0.866025, -0.866025, 0.866025, 0.0, 0.0, 0.707107, -0.707107])
-    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
+    # one row per prompt: the n responses of its group
+    adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    # mean 0.5, Bessel std sqrt(1/3) = 0.57735 -> +-0.5 / 0.57735 = +-0.866025
+    torch.testing.assert_close(adv, torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025]]), atol=1e-5, rtol=0)
+    # group 0: all equal -> 0; group 1: mean 2, std sqrt(2) -> +-1 / 1.414214 = +-0.707107
+    adv = grpo_advantages(torch.tensor([[2.0, 2.0], [3.0, 1.0]]))
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.0], [0.707107, -0.707107]]), atol=1e-5, rtol=0)
 
 
 def test_grpo_needs_two_responses_per_prompt():
     for estimator in (grpo_advantages, dr_grpo_advantages, grpo_passk_advantages, rloo_advantages):
         with pytest.raises(ValueError, match="--rollout.n"):
-            estimator(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]))
+            estimator(torch.tensor([[1.0], [0.0]]))
 
 
 def test_ppo_clip_loss_both_clips_and_dual_clip():
@@ -105,21 +105,21 @@ def test_logprobs_do_not_depend_on_padding_or_batching(tmp_path):
 
 
 def test_rloo_dr_grpo_passk_remax_by_hand():
-    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 0.0, 0.5])
-    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    scores = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 0.0, 0.5]])  # [G, n]
     # RLOO, group 0: 1 - (2 - 1)/3 = 0.6667, 0 - 2/3 = -0.6667; group 1 (sum 4.5): 3 - 1.5/3 = 2.5,
     # 1 - 3.5/3 = -0.1667, 0 - 4.5/3 = -1.5, 0.5 - 4/3 = -0.8333
-    torch.testing.assert_close(rloo_advantages(scores, groups),
-                               torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 2.5, -1 / 6, -1.5, -5 / 6]))
+    torch.testing.assert_close(rloo_advantages(scores),
+                               torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [2.5, -1 / 6, -1.5, -5 / 6]]))
     # Dr. GRPO: minus the group mean only (0.5 and 1.125)
-    torch.testing.assert_close(dr_grpo_advantages(scores, groups),
-                               torch.tensor([0.5, -0.5, -0.5, 0.5, 1.875, -0.125, -1.125, -0.625]))
+    torch.testing.assert_close(dr_grpo_advantages(scores),
+                               torch.tensor([[0.5, -0.5, -0.5, 0.5], [1.875, -0.125, -1.125, -0.625]]))
     # pass@k, group 1: best 3, second 1, std of [3, 1, 0, .5] = 1.314978 -> 2 / 1.314978 = 1.520938 on the best only;
     # group 0 has a tie at the top: (1 - 1) / std = 0
-    passk = grpo_passk_advantages(scores, groups)
-    torch.testing.assert_close(passk, torch.tensor([0, 0, 0, 0, 1.520938, 0, 0, 0]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(remax_advantages(torch.tensor([1.0, 0.0, 0.2]), torch.tensor([0.5, 0.5, 0.0])),
-                               torch.tensor([0.5, -0.5, 0.2]))
+    passk = grpo_passk_advantages(scores)
+    torch.testing.assert_close(passk, torch.tensor([[0.0, 0, 0, 0], [1.520938, 0, 0, 0]]), atol=1e-5, rtol=0)
+    # ReMax: one greedy baseline per group
+    torch.testing.assert_close(remax_advantages(torch.tensor([[1.0, 0.0], [0.2, 0.4]]), torch.tensor([0.5, 0.0])),
+                               torch.tensor([[0.5, -0.5], [0.2, 0.4]]))
 
 
 def test_reinforce_pp_returns_and_global_whitening_by_hand():

@@ -1,37 +1,108 @@
-"""vLLM in-process under torchrun: n samples per prompt, masks, and a weight sync that really lands.
+"""Both rollout engines under torchrun: n samples per prompt, EOS masks, and a weight sync that really lands.
 
 The sync is checked with *changed* weights (a sync of unchanged weights proves nothing), for a model with
 tied input/output embeddings (qwen2: vLLM's CPU-packed head is the known trap) and one without (llama).
+The hf engine generates with the trainer's own FSDP2 model, with ranks decoding different numbers of steps.
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from conftest import torchrun
 
 TOLERANCE = 1e-3  # fp32 engine and trainer: observed ~1e-6; a stale head gives ~1
+EOS = 2  # <|im_end|> in tiny.py's tokenizer
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
-def test_generate_and_sync_changed_weights(tmp_path, architecture):
+@pytest.mark.parametrize("engine, architecture", [("vllm", "qwen2"), ("vllm", "llama"), ("hf", "qwen2"), ("hf", "llama")])
+def test_generate_and_sync_changed_weights(tmp_path, engine, architecture):
     out = tmp_path / "result.json"
-    torchrun(["tests/rollout_worker.py", architecture, str(out)])
+    torchrun(["tests/rollout_worker.py", engine, architecture, str(out)], timeout=300)
     results = json.loads(out.read_text())
     assert [r["rank"] for r in results] == [0, 1]
     assert results[0]["tied"] == (architecture == "qwen2")
+    finished = 0
     for r in results:
-        assert r["n_per_prompt"] == [4, 4, 4]
+        assert r["n_per_prompt"] == [8, 8, 8, 8]
         for group in r["responses"]:
             for response in group:
-                assert 1 <= len(response["token_ids"]) <= 12
+                assert 1 <= len(response["token_ids"]) <= r["max_tokens"]
                 assert response["n_logprobs"] == len(response["token_ids"])
-                ends_with_eos = response["token_ids"][-1] == 2  # <|im_end|>
+                ends_with_eos = response["token_ids"][-1] == EOS
                 assert response["truncated"] == (not ends_with_eos)
-                assert 2 not in response["token_ids"][:-1]  # nothing after the first EOS
+                assert not response["truncated"] or len(response["token_ids"]) == r["max_tokens"]
+                assert EOS not in response["token_ids"][:-1]  # nothing after the first EOS
+                finished += ends_with_eos
         assert r["gap_initial"] < TOLERANCE
         assert r["gap_stale"] > 0.05, "the perturbation must change the log-probs for the test to mean anything"
         assert "sync_weights() was skipped" in r["stale_error"]
         assert r["gap_synced"] < TOLERANCE
+        assert r["stream_exact"] and r["ref_dtypes"] == ["torch.bfloat16"] and r["ref_gap"] < 0.1
+    assert finished > 0, "no response ended with EOS: the EOS handling went untested"
     # ranks sample differently (different seeds, different prompts)
     assert results[0]["responses"] != results[1]["responses"]
+    if engine == "hf":  # rank 0 stopped after 3 tokens, rank 1 went on to 12: different numbers of decoding steps
+        assert max(len(x["token_ids"]) for g in results[1]["responses"] for x in g) > 3
+
+
+class RecordingLLM:
+    """Stands in for vllm.LLM in GPU mode, where sleep mode runs (the CPU platform refuses it): records calls."""
+
+    def __init__(self, **settings):
+        self.settings, self.calls = settings, []
+        worker = SimpleNamespace(reload_weights=lambda weights_iterator: self.calls.append(
+            f"reload {len(list(weights_iterator))} tensors"), model_runner=SimpleNamespace(model=torch.nn.Module()))
+        executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker))
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(model_executor=executor)))
+
+    def sleep(self, level):
+        self.calls.append(f"sleep {level}")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake {'+'.join(tags or ['all'])}")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset prefix cache")
+
+    def generate(self, requests, params, use_tqdm):
+        self.calls.append(f"generate seeds {[p.seed for p in params]}")
+        sample = SimpleNamespace(token_ids=[5, EOS], logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {EOS: SimpleNamespace(logprob=-0.5)}],
+                                 finish_reason="stop")
+        return [SimpleNamespace(outputs=[sample] * p.n) for p in params]
+
+
+def test_gpu_engine_settings_and_sleep_wake_sync_order(monkeypatch):
+    """On GPU: sleep level 2 between rollouts, only a sync wakes the engine (weights, load, KV cache, fresh prefix
+    cache), CUDA graphs and chunked prefill on, prefix caching on, and every request seeded n apart."""
+    import vllm
+
+    from conftest import free_port
+    from rollout import RolloutConfig, VLLMRollout
+
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        rollout = VLLMRollout(RolloutConfig(n=3), "model", max_model_len=64, device=torch.device("cuda", 0))
+        settings = rollout.llm.settings
+        assert settings["enable_sleep_mode"] and settings["enable_prefix_caching"] and settings["enable_chunked_prefill"]
+        assert not settings["enforce_eager"] and settings["dtype"] == torch.bfloat16 and settings["gpu_memory_utilization"] == 0.5
+        prompts = [{"prompt_ids": [1, 2]}, {"prompt_ids": [3]}]
+        groups = rollout.generate(prompts, version=0)  # awake with the checkpoint: no sleep before the first rollout
+        assert [len(g) for g in groups] == [3, 3] and groups[0][0].logprobs == [-1.0, -0.5] and not groups[0][0].truncated
+        rollout.sleep()
+        with pytest.raises(RuntimeError, match="asleep"):
+            rollout.generate(prompts, version=0)  # level 2 discarded the weights: waking without a sync is garbage
+        rollout.sync_weights(torch.nn.Linear(2, 2), version=1)
+        rollout.generate(prompts, version=1)
+        calls = rollout.llm.calls
+        assert calls[1:] == ["sleep 2", "wake weights", "reload 2 tensors", "wake kv_cache", "reset prefix cache",
+                             calls[-1]]
+        seeds = [int(s) for s in calls[-1].removeprefix("generate seeds [").removesuffix("]").split(",")]
+        assert seeds[1] - seeds[0] == 3  # vLLM seeds sample k of a request with seed + k: requests are n apart
+        assert calls[0] != calls[-1]  # a new step draws new seeds
+    finally:
+        dist.destroy_process_group()

@@ -67,19 +67,26 @@ def test_tensor_parallel_rollout(tmp_path):
     assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics)
 
 
-def test_multi_node_on_loopback(tmp_path):
-    """Two torchrun agents (--nnodes 2, one process each) rendezvous on 127.0.0.1 and train together."""
+def test_multi_node_on_loopback_without_a_shared_folder(tmp_path):
+    """Two torchrun agents (--nnodes 2, one process each) rendezvous on 127.0.0.1 and train together, each in
+    its own working directory: whatever start-up writes (the tiny model) must be built on every node."""
     port = free_port()
-    args = ["grpo.py", "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
+    args = [str(ROOT / "grpo.py"), "--trainer.total-steps", "2", "--trainer.output-dir", "runs",
             "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST]
     common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
               "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    nodes = [subprocess.Popen(common + ["--node_rank", str(rank), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    folders = [tmp_path / f"node{rank}" for rank in (0, 1)]
+    nodes = []
+    for rank, folder in enumerate(folders):
+        folder.mkdir()
+        nodes.append(subprocess.Popen(common + ["--node_rank", str(rank), *args], cwd=folder, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output[-4000:]
-    assert len(read_metrics(tmp_path / "toy-grpo")) == 2
+    assert len(read_metrics(folders[0] / "runs" / "toy-grpo")) == 2
+    assert (folders[1] / "runs" / "models" / "tiny-qwen2" / "model.safetensors").exists()
+    assert not (folders[1] / "runs" / "toy-grpo" / "metrics.jsonl").exists()  # only global rank 0 logs
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1,0 +1,142 @@
+"""Device placement without a GPU: the training step's tensor code on the `meta` device, collectives as NCCL sees them.
+
+On a CPU every tensor shares one device, so a CPU tensor meeting GPU tensors (the crash a GPU run would hit in its
+first step) cannot fail here. On `meta` it does: any CPU tensor in a non-scalar op with a meta tensor raises. So
+the step's functions run here with a stand-in model and the batch on `meta`, in a world of one whose backend
+reports "nccl" and whose collectives check that every tensor they get is on the data's device (NCCL only moves
+GPU tensors). On a GPU machine the same tests also run on `cuda` under a real NCCL group
+(benchmarks/gpu_check.py runs them there).
+"""
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import grpo
+from conftest import ROOT, free_port
+from fsdp_utils import all_reduce, sum_over_ranks, to_floats
+from grpo import (POLICY_LOSSES, AlgorithmConfig, Config, aggregate, backward_mini_batch, batched_logprobs,
+                  compute_advantages, kl_penalty, logprob_metrics, make_batch, outcome_on_last_token,
+                  response_logprobs, score_metrics)
+
+DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_object")
+SEEN: list[str] = []  # the collectives the checking stand-ins received (meta)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch):
+    """A world of one on `device`: real NCCL on a GPU; on `meta`, gloo dressed as NCCL with checking collectives."""
+    device = torch.device(request.param)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    if device.type == "cuda":
+        dist.init_process_group("nccl", init_method=init, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        SEEN.clear()
+
+        def checked(name):
+            def collective(tensor, *args, **kwargs):
+                tensors = tensor if isinstance(tensor, list) else [tensor]
+                for t in tensors:
+                    assert t.device == device, f"dist.{name} got a tensor on {t.device}: NCCL needs it on {device}"
+                SEEN.append(name)  # a world of one: the reduction is the identity, nothing to send
+            return collective
+
+        for name in COLLECTIVES[:-1]:
+            monkeypatch.setattr(dist, name, checked(name))
+    yield device
+    dist.destroy_process_group()
+
+
+class StandIn(torch.nn.Module):
+    """A tiny causal LM with transformers' calling convention (a real one cannot run on meta end to end)."""
+
+    def __init__(self, vocab: int = 16, hidden: int = 8):
+        super().__init__()
+        self.embed, self.position, self.head = (torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(32, hidden),
+                                                torch.nn.Linear(hidden, vocab))
+
+    def forward(self, input_ids, position_ids, use_cache=False):
+        hidden = self.embed(input_ids) + self.position(position_ids)
+        return SimpleNamespace(logits=self.head(torch.tanh(hidden)))
+
+
+def rollout_batch(device):
+    """Two groups of n = 2 responses, with their engine log-probs, on `device`."""
+    prompts = [[1, 5, 6], [1, 5, 6], [1, 7], [1, 7]]
+    responses = [[9, 2], [10, 11, 2], [12], [13, 2]]
+    engine_logprobs = [[-1.0, -0.5], [-2.0, -0.1, -0.3], [-0.7], [-1.5, -0.2]]
+    return make_batch(prompts, responses, pad_id=0, rollout_logprobs=engine_logprobs, device=device)
+
+
+def assert_on(device, *tensors):
+    for t in tensors:
+        assert t.device.type == device.type, f"a result is on {t.device}, not {device}"
+
+
+def test_batch_and_logprobs_stay_on_the_device(device):
+    batch = rollout_batch(device)
+    assert_on(device, *batch.values())
+    with torch.device(device):
+        model = StandIn()
+    logprobs = response_logprobs(model, batch, temperature=0.7)  # the GPU crash of issue 6 lived here
+    assert logprobs.shape == batch["response_mask"].shape
+    assert_on(device, logprobs, batched_logprobs(model, batch, 0.7, micro_batch_size=3))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "grpo_passk", "rloo", "remax", "reinforce_plus_plus"])
+def test_token_rewards_and_every_estimator_stay_on_the_device(device, estimator):
+    mask = rollout_batch(device)["response_mask"]
+    token_rewards = outcome_on_last_token(torch.tensor([1.0, 0.0, 0.5, 0.5], device=device), mask)
+    baselines = torch.tensor([0.5, 0.0], device=device)  # [G]
+    advantages = compute_advantages(estimator, token_rewards, mask, 2, baselines, 1.0, sum_over_ranks)
+    assert advantages.shape == mask.shape
+    assert_on(device, token_rewards, advantages)
+
+
+@pytest.mark.parametrize("loss_type", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_every_loss_kl_and_aggregation_stay_on_the_device(device, loss_type, mode):
+    mask = rollout_batch(device)["response_mask"]
+    logprobs, old, ref, advantages = (torch.randn(mask.shape, device=device) for _ in range(4))
+    loss, stats = POLICY_LOSSES[loss_type](logprobs, old, advantages, mask, AlgorithmConfig())
+    counts = all_reduce({"tokens": mask.sum(), "sequences": mask.shape[0]}, device)
+    kls = [kl_penalty(logprobs, ref, kind) for kind in ("kl", "abs", "mse", "low_var_kl")]
+    assert_on(device, loss, *stats.values(), *kls, aggregate(loss, mask, mode, counts["tokens"], counts["sequences"], 4.0))
+
+
+def test_update_and_metrics_stay_on_the_device(device):
+    batch = rollout_batch(device)
+    with torch.device(device):
+        model = StandIn()
+    old = batched_logprobs(model, batch, 1.0, micro_batch_size=4)
+    cfg = Config()
+    cfg.actor.micro_batch_size = 2
+    sums = backward_mini_batch(model, batch, old, old + 0.1, torch.ones_like(old), cfg)  # loss + KL loss + backward
+    assert_on(device, *sums.values(), *(p.grad for p in model.parameters()))
+    metrics = logprob_metrics(batch, old, old - 0.1)
+    responses = [SimpleNamespace(token_ids=[9, 2], truncated=False), SimpleNamespace(token_ids=[3] * 4, truncated=True)]
+    metrics.update(score_metrics("train", [{"overall": 1.0, "accuracy": 1.0}, {"overall": 0.0, "accuracy": 0.0}],
+                                 responses, device))
+    assert_on(device, *metrics.values())
+    if device.type != "meta":  # meta holds no numbers; elsewhere they reach the host in one copy
+        floats = to_floats(metrics)
+        assert floats["train/response_length_mean"] == 3.0 and floats["train/clip_ratio"] == 0.5
+    else:
+        assert len(SEEN) >= 5, "the collectives of the step were not seen"
+
+
+def test_the_trainer_issues_collectives_only_through_the_checked_helpers():
+    """grpo.py's collectives go through fsdp_utils' helpers (exercised above), so none can bypass the device rule."""
+    tree = ast.parse(Path(grpo.__file__).read_text())
+    direct = [f"line {node.lineno}: dist.{node.attr}" for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "dist"
+              and node.attr in COLLECTIVES]
+    assert not direct, f"grpo.py calls collectives directly (use fsdp_utils.all_reduce / sum_over_ranks): {direct}"
+    assert (ROOT / "fsdp_utils.py").exists()
