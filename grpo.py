@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from data import DataConfig, PromptDataset, PromptLoader, load_rows, shard
 from fsdp_utils import all_reduce, init_distributed, load_sharded_model, save_hf_model, sum_over_ranks, to_floats
+from memory import MemoryEstimate, check_memory
 from rewards import RewardConfig, RewardFunction
 from rollout import RolloutConfig, build_rollout, vllm_environment
 
@@ -641,6 +642,19 @@ def resolve_model(model_path: str, output_dir: str) -> str:
     return str(path)
 
 
+def check_gpu_memory(cfg: Config, model_path: str, world_size: int, gpu_bytes: int) -> MemoryEstimate:
+    """memory.check_memory with this run's settings: refuses a run that cannot fit, naming the flags to change."""
+    from transformers import AutoConfig
+
+    return check_memory(AutoConfig.from_pretrained(model_path), world_size=world_size, gpu_bytes=gpu_bytes,
+                        kl=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+                        micro_batch_size=cfg.actor.micro_batch_size,
+                        max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                        gradient_checkpointing=cfg.actor.gradient_checkpointing, engine=cfg.rollout.engine,
+                        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                        tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+
+
 def check_config(cfg: Config, world_size: int) -> None:
     """Fail before anything is loaded, naming the flag to change."""
     t, n = cfg.trainer, cfg.rollout.n
@@ -700,6 +714,10 @@ def main(cfg: Config) -> None:
 
     algo = cfg.algorithm
     uses_kl = algo.use_kl_loss or algo.use_kl_in_reward
+    if device.type == "cuda":  # refuse a run that cannot fit now, not with an out-of-memory error minutes later
+        estimate = check_gpu_memory(cfg, model_path, world, torch.cuda.get_device_properties(device).total_memory)
+        console.print(f"memory estimate per GPU (memory.py): rollout {estimate.rollout_total / 2**30:.1f} GiB, training "
+                      f"{estimate.training_total / 2**30:.1f} GiB, of {estimate.gpu_bytes / 2**30:.1f} GiB")
     actor = load_sharded_model(model_path, device, trainable=True, gradient_checkpointing=cfg.actor.gradient_checkpointing)
     ref_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen: no fp32 master copy needed
     ref = load_sharded_model(model_path, device, trainable=False, dtype=ref_dtype) if uses_kl else None  # no KL: none

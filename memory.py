@@ -1,0 +1,203 @@
+"""A memory check before anything loads: will this run fit on these GPUs?
+
+Size a run by hand (prints the per-GPU table; exits with the refusal message if it does not fit):
+    python memory.py Qwen/Qwen2.5-7B-Instruct --gpus 8 --gpu-gib 80 --micro-batch-size 4 --seq-len 2048
+
+What is estimated, per GPU: P parameters, W GPUs, T = micro_batch_size x max_seq_len tokens, L layers,
+h hidden size, I MLP width, V vocabulary. Two phases of a training step must each fit:
+- rollout (the engine generates, the trainer waits):
+    actor: fp32 params + AdamW's m and v, sharded: 12P/W (no gradients: zero_grad(set_to_none=True))
+    reference (only with KL): bf16 params, sharded: 2P/W
+    vLLM: its whole budget, gpu_memory_utilization x GPU memory (weights 2P/tp and KV cache live inside it);
+    or the HF engine: the model gathered in bf16 (2P) + the KV cache of one micro-batch (T x L x 2 x kv_heads x head_dim x 2)
+    overhead: 2 GiB (CUDA context, NCCL buffers, allocator fragmentation)
+- training (forward/backward of one micro-batch; vLLM asleep, its weights and KV cache off the GPU):
+    actor with fp32 gradients: 16P/W; reference 2P/W
+    FSDP units gathered in bf16: 2 x (root + 2 x layer); the root (embeddings, final norm, untied head) stays
+      gathered, and about two decoder layers are gathered at once (the current one and the prefetched next)
+    activations: T x L x (17h + 8I) bytes; with gradient checkpointing T x (2hL + 17h + 8I) (every layer's
+      input, plus one layer's activations while it is recomputed)
+    logits for the log-probs: T x V x (2 + 4 + 4) bytes (bf16 logits, fp32 copy, log_softmax output): the
+      biggest single item for 150k vocabularies
+    overhead: 2 GiB
+Design decisions:
+- It runs at start-up, before any weights load: a run that cannot fit fails in seconds with the flags to
+  change, not with a CUDA OOM after minutes of loading. The config is all it needs; the parameter counts
+  are exact (the model built on the meta device: shapes, no memory), the rest is an estimate.
+- The activation constant: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", sec. 4.1: a transformer layer stores 34·s·b·h bytes in 16 bits, plus 5·a·s²·b of attention scores
+  that flash attention never stores. Their 34h is 15h for attention and norms plus 19h for a 4h GeLU MLP;
+  the gated MLPs of Llama and Qwen (width I) store their input (2h) and four I-wide tensors (gate, up,
+  silu(gate), their product: 8I), hence 17h + 8I per token per layer.
+- Assumptions that make it an estimate: every sequence at full length (an upper bound); bf16 compute;
+  ignored are the fp32 gradient of a unit waiting for its reduce-scatter, vLLM's CUDA graphs and
+  activation peak inside its budget, and caching beyond the fixed overhead. `perf/peak_memory_gib` in a
+  real run's metrics is the measurement to trust.
+"""
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+GiB = 2**30
+OVERHEAD = "CUDA context, NCCL, fragmentation"
+REFERENCE = "reference: bf16 params"
+VLLM = "vLLM: weights + KV cache budget"
+HF_KV_CACHE = "HF engine: KV cache"
+ACTIVATIONS = "activations"
+
+
+def _parameter_counts(model_config) -> tuple[int, int, int]:
+    """(all parameters, the root FSDP unit's, the largest block's): the model built on the meta device.
+
+    Blocks are the modules named in `_no_split_modules`, the units fsdp_utils shards one by one; the root
+    holds the rest (embeddings, final norm, untied output head). Tied weights are counted once.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    names = set(model._no_split_modules or [])
+    blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names]
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a shared (tied) tensor once
+    return total, total - sum(blocks), max(blocks, default=0)
+
+
+def count_parameters(model_config) -> int:
+    """Exact parameter count of the model a config describes, tied weights once (Qwen2.5-7B: 7,615,616,512)."""
+    return _parameter_counts(model_config)[0]
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.1f}"
+
+
+@dataclass
+class MemoryEstimate:
+    rollout: dict[str, int]
+    """Rollout phase, item -> bytes per GPU: the trainer's resident state while the engine generates."""
+    training: dict[str, int]
+    """Training phase, item -> bytes per GPU: forward and backward of one micro-batch, vLLM asleep."""
+    gpu_bytes: int
+    """Memory of one GPU."""
+    vllm_needs: int = 0
+    """Bytes vLLM's budget must hold to start: its weights (2P / tensor_parallel_size) + 1 GiB of KV cache; 0: HF engine."""
+
+    @property
+    def rollout_total(self) -> int:
+        return sum(self.rollout.values())
+
+    @property
+    def training_total(self) -> int:
+        return sum(self.training.values())
+
+    def table(self) -> str:
+        lines = [f"per-GPU memory estimate, GiB (GPU: {gib(self.gpu_bytes)} GiB)"]
+        for phase, items, total in (("rollout", self.rollout, self.rollout_total),
+                                    ("training", self.training, self.training_total)):
+            lines.append(f"{phase + ' phase':<44}{gib(total):>7}  {'fits' if total <= self.gpu_bytes else 'DOES NOT FIT'}")
+            lines += [f"  {name:<42}{gib(size):>7}" for name, size in items.items()]
+        if self.vllm_needs:
+            lines.append(f"vLLM needs {gib(self.vllm_needs)} of its {gib(self.rollout[VLLM])} budget (weights + 1 GiB KV cache)")
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, micro_batch_size: int, max_seq_len: int,
+                    gradient_checkpointing: bool, engine: str = "vllm", gpu_memory_utilization: float = 0.5,
+                    tensor_parallel_size: int = 1) -> MemoryEstimate:
+    """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
+
+    Example: P = 1e9 on W = 4 GPUs with KL -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
+    training actor 4e9 (16P/W); T = 4 x 2048 tokens, V = 151936 -> logits 12.4e9 bytes.
+    """
+    P, root, layer = _parameter_counts(model_config)
+    text = model_config.get_text_config()  # a VLM's language model; a text model's own config
+    h, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
+    I = getattr(text, "intermediate_size", None) or 4 * h
+    T, W = micro_batch_size * max_seq_len, world_size
+    reference = {REFERENCE: 2 * P // W} if kl else {}
+    if engine == "vllm":
+        engine_items = {VLLM: int(gpu_memory_utilization * gpu_bytes)}
+        vllm_needs = 2 * P // tensor_parallel_size + GiB
+    elif engine == "hf":
+        heads = text.num_attention_heads
+        kv_heads, head_dim = getattr(text, "num_key_value_heads", None) or heads, getattr(text, "head_dim", None) or h // heads
+        engine_items = {"HF engine: gathered bf16 params": 2 * P,
+                        HF_KV_CACHE: T * L * 2 * kv_heads * head_dim * 2}  # K and V, bf16
+        vllm_needs = 0
+    else:
+        raise ValueError(f"unknown rollout engine {engine!r}: vllm or hf")
+    layer_activations = 17 * h + 8 * I  # bytes per token of one layer (Korthikanti et al., gated MLP)
+    activations = T * (2 * h * L + layer_activations) if gradient_checkpointing else T * L * layer_activations
+    rollout = {"actor: fp32 params + AdamW states": 12 * P // W, **reference, **engine_items, OVERHEAD: 2 * GiB}
+    training = {"actor: fp32 params + grads + AdamW states": 16 * P // W, **reference,
+                "gathered bf16 units: root + 2 layers": 2 * (root + 2 * layer),
+                ACTIVATIONS + (" (checkpointed)" if gradient_checkpointing else ""): activations,
+                "logits: bf16 + fp32 + log_softmax": T * V * (2 + 4 + 4), OVERHEAD: 2 * GiB}
+    return MemoryEstimate(rollout, training, gpu_bytes, vllm_needs)
+
+
+def _advice(phase: str, items: dict[str, int], e: MemoryEstimate) -> list[str]:
+    """The flags that shrink this phase, read off what the phase holds."""
+    advice = ["more GPUs, over which the actor is sharded (`torchrun --nproc_per_node N`, `--nnodes` for more machines)"]
+    if VLLM in items:
+        advice.append(f"lower `--rollout.gpu-memory-utilization` (vLLM's budget; it needs at least "
+                      f"{e.vllm_needs / e.gpu_bytes:.2f} for its weights and 1 GiB of KV cache)")
+    if phase == "training" or HF_KV_CACHE in items:  # both grow with the tokens of a micro-batch
+        advice += ["a smaller `--actor.micro-batch-size`",
+                   "shorter sequences (`--data.max-prompt-length`, `--rollout.max-response-length`)"]
+    if ACTIVATIONS in items:
+        advice.append("`--actor.gradient-checkpointing`")
+    if REFERENCE in items:
+        advice.append("`--algorithm.no-use-kl-loss` (and no KL in the reward) drops the reference model")
+    return advice
+
+
+def check_memory(model_config, **options) -> MemoryEstimate:
+    """estimate_memory(model_config, **options), refused with SystemExit when a phase cannot fit.
+
+    The message names the phase, its estimate against the GPU, its biggest items and the flags that shrink it.
+    """
+    e = estimate_memory(model_config, **options)
+    problems = []
+    if e.vllm_needs > e.rollout.get(VLLM, 0):
+        problems.append(f"vLLM cannot start: its budget of {gib(e.rollout[VLLM])} GiB cannot hold its bf16 weights and "
+                        f"1 GiB of KV cache ({gib(e.vllm_needs)} GiB). Raise `--rollout.gpu-memory-utilization` (to at "
+                        f"least {e.vllm_needs / e.gpu_bytes:.2f}) or split the engine's weights over GPUs with "
+                        "`--rollout.tensor-parallel-size`.")
+    for phase, items, total in (("rollout", e.rollout, e.rollout_total), ("training", e.training, e.training_total)):
+        if total > e.gpu_bytes:
+            biggest = sorted(items.items(), key=lambda item: -item[1])[:3]
+            problems.append(f"the {phase} phase does not fit: ~{gib(total)} GiB per GPU, the GPU has {gib(e.gpu_bytes)} GiB "
+                            f"(biggest: {'; '.join(f'{name} {gib(size)} GiB' for name, size in biggest)}). To fit, any of:\n"
+                            + "".join(f"    {advice}\n" for advice in _advice(phase, items, e))
+                            + "    (offload and LoRA are planned)")
+    if problems:
+        raise SystemExit("this run does not fit in GPU memory (an estimate, made before loading anything):\n- "
+                         + "\n- ".join(problems) + "\n\n" + e.table())
+    return e
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Estimate the per-GPU memory of a grpo.py run from a model's config.")
+    parser.add_argument("model", help="HF model folder or hub id (only its config is read)")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs in the run (the world size)")
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU, GiB")
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="--actor.micro-batch-size")
+    parser.add_argument("--seq-len", type=int, default=2048, help="--data.max-prompt-length + --rollout.max-response-length")
+    parser.add_argument("--no-kl", action="store_true", help="no KL, so no reference model")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    args = parser.parse_args()
+    print(check_memory(AutoConfig.from_pretrained(args.model), world_size=args.gpus, gpu_bytes=int(args.gpu_gib * GiB),
+                       kl=not args.no_kl, micro_batch_size=args.micro_batch_size, max_seq_len=args.seq_len,
+                       gradient_checkpointing=args.gradient_checkpointing, engine=args.engine,
+                       gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""memory.py: exact parameter counts, the formulas against hand-computed numbers, and which runs are refused."""
+
+import sys
+
+import pytest
+from transformers import Qwen2Config
+
+import memory
+from memory import ACTIVATIONS, OVERHEAD, REFERENCE, VLLM, GiB, check_memory, count_parameters, estimate_memory
+
+QWEN_7B = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                      num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+QWEN_1_5B = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+TINY = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+GPU_80GB = int(80e9)
+RUN = dict(kl=True, micro_batch_size=4, max_seq_len=2048)  # a typical 7B job: 4 sequences of 2k tokens per micro-batch
+
+
+def qwen2_layer_parameters(c: Qwen2Config) -> int:
+    """One decoder layer by hand: q, k, v (with biases), o (without), gated MLP, two RMSNorms."""
+    h, kv = c.hidden_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    attention = (h * h + h) + 2 * (h * kv + kv) + h * h
+    return attention + 3 * h * c.intermediate_size + 2 * h
+
+
+def qwen2_root_parameters(c: Qwen2Config) -> int:
+    """Embeddings, the output head unless tied, the final norm."""
+    return c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.hidden_size
+
+
+def qwen2_parameters(c: Qwen2Config) -> int:
+    return qwen2_root_parameters(c) + c.num_hidden_layers * qwen2_layer_parameters(c)
+
+
+# ---------------------------------------------------------------- parameter counts
+
+def test_count_parameters_matches_the_shapes_of_qwen2_5_7b():
+    assert count_parameters(QWEN_7B) == qwen2_parameters(QWEN_7B) == 7_615_616_512
+
+
+def test_tied_embeddings_are_counted_once():
+    untied = Qwen2Config(**{**QWEN_1_5B.to_dict(), "tie_word_embeddings": False})
+    assert count_parameters(QWEN_1_5B) == qwen2_parameters(QWEN_1_5B) == 1_543_714_304
+    assert count_parameters(untied) - count_parameters(QWEN_1_5B) == 151936 * 1536
+
+
+# ---------------------------------------------------------------- formulas
+
+def test_every_item_against_hand_computed_numbers():
+    P, W, h, I, L, V = qwen2_parameters(TINY), 4, 64, 160, 3, 1000
+    T = 4 * 2048
+    with_kl = estimate_memory(TINY, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
+    assert with_kl.rollout == {"actor: fp32 params + AdamW states": 12 * P // W, REFERENCE: 2 * P // W,
+                               VLLM: int(0.5 * GPU_80GB), OVERHEAD: 2 * GiB}
+    assert with_kl.training == {
+        "actor: fp32 params + grads + AdamW states": 16 * P // W, REFERENCE: 2 * P // W,
+        "gathered bf16 units: root + 2 layers": 2 * (qwen2_root_parameters(TINY) + 2 * qwen2_layer_parameters(TINY)),
+        ACTIVATIONS: T * L * (17 * h + 8 * I), "logits: bf16 + fp32 + log_softmax": T * V * 10, OVERHEAD: 2 * GiB}
+    assert with_kl.vllm_needs == 2 * P + GiB
+    assert with_kl.training_total == sum(with_kl.training.values())
+
+    without_kl = estimate_memory(TINY, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=False,
+                                 **{**RUN, "kl": False})
+    assert REFERENCE not in without_kl.rollout and REFERENCE not in without_kl.training
+    assert with_kl.training_total - without_kl.training_total == 2 * P // W
+
+
+def test_hf_engine_gathers_the_model_and_holds_a_kv_cache_instead_of_a_vllm_budget():
+    P, L, kv_heads, head_dim = qwen2_parameters(TINY), 3, 2, 16
+    e = estimate_memory(TINY, world_size=4, gpu_bytes=GPU_80GB, gradient_checkpointing=False, engine="hf", **RUN)
+    assert VLLM not in e.rollout and e.vllm_needs == 0
+    assert e.rollout["HF engine: gathered bf16 params"] == 2 * P
+    assert e.rollout["HF engine: KV cache"] == 4 * 2048 * L * 2 * kv_heads * head_dim * 2
+    assert check_memory(TINY, world_size=4, gpu_bytes=GPU_80GB, gradient_checkpointing=False, engine="hf", **RUN) == e
+
+
+def test_gradient_checkpointing_lowers_the_training_activations():
+    full = estimate_memory(QWEN_7B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
+    checkpointed = estimate_memory(QWEN_7B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=True, **RUN)
+    assert checkpointed.training["activations (checkpointed)"] < full.training[ACTIVATIONS] / 10
+    assert checkpointed.training_total < full.training_total
+    assert checkpointed.rollout == full.rollout
+
+
+# ---------------------------------------------------------------- refusals
+
+def test_7b_on_one_gpu_is_refused_naming_the_training_phase_and_more_gpus():
+    with pytest.raises(SystemExit) as refusal:
+        check_memory(QWEN_7B, world_size=1, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
+    message = str(refusal.value)
+    assert "the training phase does not fit" in message and "GPU has 74.5 GiB" in message
+    assert "--nproc_per_node" in message and "--algorithm.no-use-kl-loss" in message
+
+
+def test_1_5b_on_eight_gpus_is_accepted():
+    e = check_memory(QWEN_1_5B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
+    assert max(e.rollout_total, e.training_total) <= GPU_80GB
+
+
+def test_a_training_refusal_names_only_flags_that_shrink_training():
+    with pytest.raises(SystemExit) as refusal:  # fits while generating; not while training 8 x 2k tokens without checkpointing
+        check_memory(QWEN_7B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **{**RUN, "micro_batch_size": 8})
+    message = str(refusal.value)
+    assert "the training phase does not fit" in message and "rollout phase does not fit" not in message
+    for flag in ("--actor.micro-batch-size", "--actor.gradient-checkpointing", "--data.max-prompt-length",
+                 "--rollout.max-response-length", "--nproc_per_node"):
+        assert flag in message
+    assert "gpu-memory-utilization" not in message.split("\n\n")[0]  # vLLM sleeps while the trainer trains
+
+
+def test_a_vllm_budget_too_small_for_its_weights_is_refused_until_tensor_parallelism_splits_them():
+    small_budget = dict(world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=True, gpu_memory_utilization=0.1, **RUN)
+    with pytest.raises(SystemExit) as refusal:  # 8 GB budget, 15.2 GB of bf16 weights
+        check_memory(QWEN_7B, **small_budget)
+    message = str(refusal.value)
+    assert "vLLM cannot start" in message and "phase does not fit" not in message
+    assert "--rollout.gpu-memory-utilization" in message and "--rollout.tensor-parallel-size" in message
+    check_memory(QWEN_7B, tensor_parallel_size=4, **small_budget)  # 3.8 GB of weights each + 1 GiB of KV cache
+
+
+def test_unknown_engine_is_an_error():
+    with pytest.raises(ValueError, match="unknown rollout engine"):
+        estimate_memory(TINY, world_size=1, gpu_bytes=GPU_80GB, gradient_checkpointing=False, engine="sglang", **RUN)
+
+
+# ---------------------------------------------------------------- the command line
+
+def test_command_line_prints_the_table_for_a_config_folder(tmp_path, monkeypatch, capsys):
+    QWEN_1_5B.save_pretrained(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["memory.py", str(tmp_path), "--gpus", "8", "--gpu-gib", "80"])
+    memory.main()
+    table = capsys.readouterr().out
+    assert "rollout phase" in table and "training phase" in table and "DOES NOT FIT" not in table
+
+
+def test_the_trainer_passes_its_flags_to_the_check(tmp_path):
+    """grpo.check_gpu_memory (called at start-up on GPU) maps the run's flags onto the estimate."""
+    from grpo import Config, check_gpu_memory
+
+    QWEN_7B.save_pretrained(tmp_path)
+    cfg = Config()
+    cfg.actor.micro_batch_size, cfg.data.max_prompt_length, cfg.rollout.max_response_length = 4, 1024, 1024
+    with pytest.raises(SystemExit, match="training phase does not fit"):
+        check_gpu_memory(cfg, str(tmp_path), world_size=1, gpu_bytes=GPU_80GB)
+    cfg.algorithm.use_kl_loss, cfg.rollout.engine = False, "hf"
+    estimate = check_gpu_memory(cfg, str(tmp_path), world_size=64, gpu_bytes=GPU_80GB)
+    assert REFERENCE not in estimate.training and VLLM not in estimate.rollout and estimate.vllm_needs == 0
+    expected = estimate_memory(QWEN_7B, world_size=64, gpu_bytes=GPU_80GB, kl=False, micro_batch_size=4,
+                               max_seq_len=2048, gradient_checkpointing=False, engine="hf")
+    assert estimate == expected
