@@ -1,0 +1,215 @@
+"""GPU check: what the CPU tests cannot show, in one run on one GPU, without vLLM.
+
+The GPU machine lent to this project (the device tool) has torch, transformers, peft and pytest but no vLLM
+and no package index; the few pure-Python packages it lacks travel along as wheels:
+    bash benchmarks/gpu_wheels.sh                      # here: .whl/ (~1.5 MB, git-ignored)
+    # there, in the repository root, with .whl carried:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    python3 benchmarks/gpu_check.py --out "$OUT"
+Parts (one line each on the console, all figures in OUT/gpu_check.json):
+1. devices: tests/test_devices.py on cuda (a real NCCL group) and on meta.
+2. logprobs: the HF engine's log-probs of its samples against the trainer's, in bf16 (FSDP2 mixed precision),
+   on a Qwen2.5-0.5B-shaped model with random weights.
+3. job: the default job for 20 steps with `--rollout.engine hf` (NCCL, bf16): reward, engine gap, step time.
+4. update: one `grpo.update_policy` of a Qwen2.5-1.5B-shaped random model (64 sequences of 1,024 tokens):
+   tokens/s, peak memory and MFU, counting 6 x (matmul parameters) + 12 x layers x hidden x sequence length
+   FLOPs per token (PaLM, appendix B) against the bf16 dense peak (`--peak-tflops`, H100/H200: 989).
+`--cpu` runs parts 2-4 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {  # Qwen2.5 shapes with random weights; "toy" stands in for both on the CPU
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936),
+    "toy": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=1000),
+}
+
+
+def random_model(shape: str, path: Path, device: str) -> Path:
+    """A Qwen2-architecture model of `shape` with random weights (bf16 on GPU) and tiny.py's tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=4096,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def random_ids(generator, count: int, length: int, vocab: int) -> list[list[int]]:
+    import torch
+
+    return torch.randint(10, vocab, (count, length), generator=generator).tolist()
+
+
+# ---------------------------------------------------------------- parts that run inside torchrun (FSDP2)
+
+
+def part_logprobs(args) -> dict:
+    """Sample with the HF engine, recompute the log-probs with the trainer, compare on every sampled token."""
+    import torch
+
+    from fsdp_utils import init_distributed, load_sharded_model, to_floats
+    from grpo import batched_logprobs, make_batch
+    from rollout import HFRollout, RolloutConfig
+
+    _, _, device = init_distributed()
+    actor = load_sharded_model(args.model, device, trainable=True)
+    engine = HFRollout(RolloutConfig(engine="hf", n=4, max_response_length=16 if args.cpu else 128), actor, args.model,
+                       device)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_ids": ids, "images": []} for ids in random_ids(generator, 16, 32, actor.config.vocab_size)]
+    responses = [r for group in engine.generate(prompts, version=0) for r in group]
+    batch = make_batch([p["prompt_ids"] for p in prompts for _ in range(4)], [r.token_ids for r in responses],
+                       engine.pad_id, [r.logprobs for r in responses], device)
+    trainer = batched_logprobs(actor, batch, temperature=1.0, micro_batch_size=16)
+    mask = batch["response_mask"]
+    gap = (trainer - batch["rollout_logprobs"]).abs() * mask
+    return {**to_floats({"logprob_gap_mean": gap.sum() / mask.sum(), "logprob_gap_max": gap.max(), "tokens": mask.sum()}),
+            "compute_dtype": "bfloat16" if device.type == "cuda" else "float32"}
+
+
+def part_update(args) -> dict:
+    """One update (PPO clip, no KL) of 64 sequences through the trainer's own code: tokens/s, memory, MFU."""
+    import torch
+
+    from fsdp_utils import init_distributed, load_sharded_model
+    from grpo import Config, batched_logprobs, make_batch, peak_memory_gib, update_policy
+    from memory import count_parameters
+
+    _, _, device = init_distributed()
+    actor = load_sharded_model(args.model, device, trainable=True)
+    prompts, n, prompt_len, response_len = (4, 2, 16, 16) if args.cpu else (8, 8, 256, 768)
+    cfg = Config()
+    cfg.rollout.n, cfg.rollout.max_response_length = n, response_len
+    cfg.trainer.rollout_batch_size = cfg.trainer.global_batch_size = prompts
+    cfg.actor.micro_batch_size, cfg.algorithm.use_kl_loss = 8, False
+    generator = torch.Generator().manual_seed(0)
+    vocab = actor.config.vocab_size
+    batch = make_batch(random_ids(generator, prompts * n, prompt_len, vocab),
+                       random_ids(generator, prompts * n, response_len, vocab), 0, device=device)
+    old = batched_logprobs(actor, batch, 1.0, cfg.actor.micro_batch_size)
+    advantages = torch.randn(prompts * n, 1, generator=generator).to(device) * batch["response_mask"]
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6)
+    update_policy(actor, optimizer, batch, old, None, advantages, cfg)  # warm-up: AdamW's states, kernel choices
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    update_policy(actor, optimizer, batch, old, None, advantages, cfg)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    c, tokens = actor.config, batch["input_ids"].numel()
+    matmul_parameters = count_parameters(c) - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
+    flops = tokens * (6 * matmul_parameters + 12 * c.num_hidden_layers * c.hidden_size * (prompt_len + response_len))
+    return {"parameters": count_parameters(c), "tokens": tokens, "update_s": seconds, "tokens_per_s": tokens / seconds,
+            "peak_memory_gib": peak_memory_gib(device),
+            "mfu": flops / seconds / (args.peak_tflops * 1e12) if device.type == "cuda" else None}
+
+
+# ---------------------------------------------------------------- parts that launch processes
+
+
+def torchrun(args_list: list[str], timeout: int) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29541", *args_list]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return proc.stdout
+
+
+def part_devices(args) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_devices.py", "-q"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+    if proc.returncode:
+        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-2000:])
+    return {"pytest": summary}
+
+
+def part_job(args) -> dict:
+    steps = 2 if args.cpu else 20
+    small = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
+             "--actor.micro-batch-size", "8"] if args.cpu else []
+    with tempfile.TemporaryDirectory() as tmp:
+        torchrun(["grpo.py", "--rollout.engine", "hf", "--trainer.total-steps", str(steps), "--trainer.output-dir", tmp,
+                  "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final", *small], 1200)
+        metrics = [json.loads(line) for line in (Path(tmp) / "toy-grpo" / "metrics.jsonl").read_text().splitlines()]
+    return {"steps": len(metrics), "reward_first": metrics[0]["train/reward_overall"],
+            "reward_last": metrics[-1]["train/reward_overall"],
+            "engine_gap_max": max(m["rollout/logprob_diff_max"] for m in metrics),
+            "step_s": sum(m["timing/step"] for m in metrics[1:]) / max(1, len(metrics) - 1),
+            "peak_memory_gib": max(m["perf/peak_memory_gib"] for m in metrics)}
+
+
+def in_torchrun(part: str, args, model: Path) -> dict:
+    out = Path(tempfile.mkdtemp()) / f"{part}.json"
+    torchrun([__file__, "--part", part, "--model", str(model), "--result", str(out), "--peak-tflops", str(args.peak_tflops),
+              *(["--cpu"] if args.cpu else [])], 1200)
+    return json.loads(out.read_text())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=".", help="folder for gpu_check.json")
+    parser.add_argument("--cpu", action="store_true", help="toy sizes on the CPU (to test this script)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for the MFU")
+    parser.add_argument("--part", choices=["logprobs", "update"], help="internal: one part, inside torchrun")
+    parser.add_argument("--model")
+    parser.add_argument("--result")
+    args = parser.parse_args()
+    if args.part:
+        result = part_logprobs(args) if args.part == "logprobs" else part_update(args)
+        Path(args.result).write_text(json.dumps(result))
+        return
+
+    import torch
+
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no GPU visible: run with --cpu to exercise the script on the CPU")
+    models = Path(tempfile.mkdtemp())
+    parts = {"devices": lambda: part_devices(args),
+             "logprobs": lambda: in_torchrun("logprobs", args, random_model("toy" if args.cpu else "0.5b", models / "a", device)),
+             "job": lambda: part_job(args),
+             "update": lambda: in_torchrun("update", args, random_model("toy" if args.cpu else "1.5b", models / "b", device))}
+    report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+    for name, run in parts.items():
+        start = time.perf_counter()
+        try:
+            report[name] = {"ok": True, **run()}
+        except Exception as error:  # one part failing must not hide the others' figures
+            report[name] = {"ok": False, "error": "".join(traceback.format_exception_only(error))[-3000:]}
+        report[name]["seconds"] = round(time.perf_counter() - start, 1)
+        print(f"{name}: {json.dumps(report[name])}", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    sys.exit(0 if all(report[name]["ok"] for name in parts) else 1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

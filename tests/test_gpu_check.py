@@ -1,0 +1,19 @@
+"""benchmarks/gpu_check.py at toy sizes on the CPU: the script a GPU session runs is itself tested here."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert proc.returncode == 0, json.dumps(report, indent=2) + proc.stderr[-3000:]
+    assert report["device"] == "cpu" and "passed" in report["devices"]["pytest"]
+    assert report["logprobs"]["tokens"] > 0 and report["logprobs"]["logprob_gap_max"] < 1e-3  # fp32 here
+    assert report["job"]["steps"] == 2 and report["job"]["engine_gap_max"] < 1e-3
+    update = report["update"]
+    assert update["tokens"] == 8 * 32 and update["tokens_per_s"] > 0 and update["mfu"] is None
