@@ -16,13 +16,15 @@ Design decisions:
 - Log-probs are those of the distribution actually sampled from (after temperature, top-k, top-p), the
   quantity the trainer recomputes, so their gap measures engine staleness and numerics. With top_p < 1
   or top_k > 0 the engines renormalise over the kept tokens, so the gap then also includes that truncation.
-- Every request carries its own seed, derived from (seed, engine, step, call): the ranks of a
-  tensor-parallel engine then draw identical samples whatever else touched the global RNG (a user's
-  reward function, say), and a rerun draws the same samples.
+- Every generate call samples from its own RNG stream, seeded from (seed, engine, step, call index) and
+  swapped in around the call (`sampling_rng`): the ranks of a tensor-parallel engine then draw identical
+  samples whatever else touched the global RNG (a user's reward function, say), a rerun (or a resumed run)
+  draws the same samples, and the trainer's own RNG is left as it was.
 """
 
 import os
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,7 +65,7 @@ class RolloutConfig:
     enforce_eager: bool = False
     """vLLM on GPU: skip CUDA graph capture (faster start-up, slower decoding). On CPU vLLM always runs eagerly."""
     seed: int = 1
-    """Sampling seed; every request's seed derives from it, the engine's data-parallel index and the step."""
+    """Sampling seed; each generate call's RNG is seeded from it, the engine's index, the step and the call."""
 
 
 @dataclass
@@ -99,16 +101,24 @@ def sampling(cfg: RolloutConfig, validation: bool, greedy: bool) -> tuple[int, f
 
 
 class SeedStream:
-    """Seeds for the requests of successive calls: reproducible from (seed, engine, step, call index)."""
+    """Seeds for successive generate calls: reproducible from (seed, engine, step, call index)."""
 
     def __init__(self, seed: int, engine_index: int):
         self.seed, self.engine_index, self.version, self.calls = seed, engine_index, -1, 0
 
     def next(self, version: int) -> int:
-        """A base seed for the next call at `version` (the call counter restarts at every step)."""
+        """The seed of the next call at `version` (the call counter restarts at every step)."""
         self.calls = self.calls + 1 if version == self.version else 0
         self.version = version
         return random.Random(f"{self.seed}/{self.engine_index}/{version}/{self.calls}").randrange(2**62)
+
+
+@contextmanager
+def sampling_rng(seed: int, device: torch.device):
+    """The global RNG (CPU, and `device` if it is a GPU) seeded with `seed` inside, restored on exit."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 # ==================================================================================================
@@ -133,8 +143,12 @@ class VLLMRollout:
       so no KV computed with old weights is ever reused.
     - CUDA graphs on GPU unless `--rollout.enforce-eager` (decoding is launch-bound for small batches);
       the CPU platform has no graphs, so it runs eagerly.
-    - Per-request seeds (module docstring); vLLM seeds the k-th of a request's n samples with seed + k,
-      so consecutive requests' seeds are n apart. On CPU they need chunked prefill off (see below).
+    - The sampling RNG (module docstring) is the device's default generator, which vLLM's sampler uses for
+      unseeded requests, set per call. Per-request seeds (`SamplingParams.seed`) would pin the samples too,
+      but vLLM then draws each seeded request's noise with its own generator, a Python loop over requests
+      at every decoding step: 0.87x of unseeded throughput on CPU here (benchmarks/bench.py), and worse with
+      the thousand requests of a GPU batch; on CPU they also break chunked prefill ("CPU Generator does not
+      use offset", vLLM 0.32).
     """
 
     def __init__(self, cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device):
@@ -158,10 +172,6 @@ class VLLMRollout:
             enforce_eager=cfg.enforce_eager or not self.on_gpu,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
-            # vLLM 0.32 rewinds a seeded request's generator when it discards a token sampled mid-way through a
-            # chunked prefill (gpu_model_runner._bookkeeping_sync: set_offset), which CPU generators cannot do
-            # ("CPU Generator does not use offset"): on CPU, prompts are prefilled whole instead
-            enable_chunked_prefill=self.on_gpu,
             **memory,
         )
         # Ranks sharing an engine (tensor parallelism) must submit identical requests: they pool their prompts.
@@ -169,7 +179,7 @@ class VLLMRollout:
         if tp > 1:  # every rank creates every group, in the same order (new_group is collective)
             groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, dist.get_world_size(), tp)]
             self.tp_group = groups[dist.get_rank() // tp]
-        self.seeds = SeedStream(cfg.seed, engine_index)
+        self.seeds, self.device = SeedStream(cfg.seed, engine_index), device
         self.weights_version = 0  # the training step whose weights the engine holds (0: the checkpoint)
         self.asleep = False  # awake with the checkpoint's weights until the first rollout is done
 
@@ -232,11 +242,10 @@ class VLLMRollout:
             dist.all_gather_object(pooled, requests, group=self.tp_group)
             first = sum(len(part) for part in pooled[: dist.get_rank() % self.cfg.tensor_parallel_size])
             requests, mine = [r for part in pooled for r in part], slice(first, first + len(requests))
-        seed = self.seeds.next(version)
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
-                                 max_tokens=self.cfg.max_response_length, logprobs=0, seed=seed + i * n)
-                  for i in range(len(requests))]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
+                                max_tokens=self.cfg.max_response_length, logprobs=0)
+        with sampling_rng(self.seeds.next(version), self.device):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
         return [[Response(token_ids=list(o.token_ids),
                           logprobs=[next(iter(step.values())).logprob for step in o.logprobs],
                           truncated=o.finish_reason == "length")
@@ -271,7 +280,7 @@ class HFRollout:
     - The sampling distribution (temperature, top-k, top-p) is applied by `_SampledLogprobs`, which also
       records the log-prob of each sampled token; `generate` itself is asked for plain sampling, so no
       other processor (a checkpoint's repetition penalty, say) changes what is sampled.
-    - Its own RNG stream (SeedStream under `torch.random.fork_rng`): the trainer's RNG is left untouched.
+    - The sampling RNG of the module docstring: the trainer's RNG is left untouched.
     """
 
     def __init__(self, cfg: RolloutConfig, model, model_path: str, device: torch.device):
@@ -279,11 +288,11 @@ class HFRollout:
 
         self.cfg, self.model, self.device = cfg, model, device
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        try:  # stop where vLLM stops: the checkpoint's generation_config EOS ids (Qwen lists two), else the tokenizer's
+        try:  # stop where vLLM stops: the tokenizer's EOS and the checkpoint's generation_config ones (Qwen lists two)
             eos = GenerationConfig.from_pretrained(model_path).eos_token_id
         except OSError:
             eos = None
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+        self.eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.seeds = SeedStream(cfg.seed, dist.get_rank())
         self.weights_version = 0
@@ -321,9 +330,7 @@ class HFRollout:
                                   temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
                                   eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
         was_training = self.model.training
-        rng_devices = [self.device] if self.device.type == "cuda" else []
-        with gathered(self.model), torch.random.fork_rng(devices=rng_devices):
-            torch.manual_seed(self.seeds.next(version))
+        with gathered(self.model), sampling_rng(self.seeds.next(version), self.device):
             self.model.eval()
             try:
                 sequences = self.model.generate(input_ids=input_ids.to(self.device), generation_config=config,

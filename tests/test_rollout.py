@@ -50,10 +50,11 @@ def test_generate_and_sync_changed_weights(tmp_path, engine, architecture):
 
 
 class RecordingLLM:
-    """Stands in for vllm.LLM in GPU mode, where sleep mode runs (the CPU platform refuses it): records calls."""
+    """Stands in for vllm.LLM in GPU mode, where sleep mode runs (the CPU platform refuses it): records calls,
+    and what its sampler would draw from the global RNG."""
 
     def __init__(self, **settings):
-        self.settings, self.calls = settings, []
+        self.settings, self.calls, self.draws = settings, [], []
         worker = SimpleNamespace(reload_weights=lambda weights_iterator: self.calls.append(
             f"reload {len(list(weights_iterator))} tensors"), model_runner=SimpleNamespace(model=torch.nn.Module()))
         executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker))
@@ -69,27 +70,30 @@ class RecordingLLM:
         self.calls.append("reset prefix cache")
 
     def generate(self, requests, params, use_tqdm):
-        self.calls.append(f"generate seeds {[p.seed for p in params]}")
+        self.calls.append("generate")
+        self.draws.append(torch.rand(1).item())
         sample = SimpleNamespace(token_ids=[5, EOS], logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {EOS: SimpleNamespace(logprob=-0.5)}],
                                  finish_reason="stop")
-        return [SimpleNamespace(outputs=[sample] * p.n) for p in params]
+        return [SimpleNamespace(outputs=[sample] * params.n) for _ in requests]
 
 
-def test_gpu_engine_settings_and_sleep_wake_sync_order(monkeypatch):
+def test_gpu_engine_settings_sleep_wake_sync_order_and_sampling_rng(monkeypatch):
     """On GPU: sleep level 2 between rollouts, only a sync wakes the engine (weights, load, KV cache, fresh prefix
-    cache), CUDA graphs and chunked prefill on, prefix caching on, and every request seeded n apart."""
+    cache), CUDA graphs and prefix caching on; each call samples from an RNG set by (seed, step, call) alone."""
     import vllm
 
     from conftest import free_port
     from rollout import RolloutConfig, VLLMRollout
 
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.empty(0))  # no GPU RNG on this CPU
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         rollout = VLLMRollout(RolloutConfig(n=3), "model", max_model_len=64, device=torch.device("cuda", 0))
         settings = rollout.llm.settings
-        assert settings["enable_sleep_mode"] and settings["enable_prefix_caching"] and settings["enable_chunked_prefill"]
-        assert not settings["enforce_eager"] and settings["dtype"] == torch.bfloat16 and settings["gpu_memory_utilization"] == 0.5
+        assert settings["enable_sleep_mode"] and settings["enable_prefix_caching"] and not settings["enforce_eager"]
+        assert settings["dtype"] == torch.bfloat16 and settings["gpu_memory_utilization"] == 0.5
         prompts = [{"prompt_ids": [1, 2]}, {"prompt_ids": [3]}]
         groups = rollout.generate(prompts, version=0)  # awake with the checkpoint: no sleep before the first rollout
         assert [len(g) for g in groups] == [3, 3] and groups[0][0].logprobs == [-1.0, -0.5] and not groups[0][0].truncated
@@ -97,12 +101,20 @@ def test_gpu_engine_settings_and_sleep_wake_sync_order(monkeypatch):
         with pytest.raises(RuntimeError, match="asleep"):
             rollout.generate(prompts, version=0)  # level 2 discarded the weights: waking without a sync is garbage
         rollout.sync_weights(torch.nn.Linear(2, 2), version=1)
+        torch.manual_seed(7)  # the trainer's RNG: consumed differently by each rank's reward function, say
+        trainer_next = torch.rand(1).item()
+        torch.manual_seed(7)
         rollout.generate(prompts, version=1)
-        calls = rollout.llm.calls
-        assert calls[1:] == ["sleep 2", "wake weights", "reload 2 tensors", "wake kv_cache", "reset prefix cache",
-                             calls[-1]]
-        seeds = [int(s) for s in calls[-1].removeprefix("generate seeds [").removesuffix("]").split(",")]
-        assert seeds[1] - seeds[0] == 3  # vLLM seeds sample k of a request with seed + k: requests are n apart
-        assert calls[0] != calls[-1]  # a new step draws new seeds
+        assert torch.rand(1).item() == trainer_next, "generate must leave the trainer's RNG as it was"
+        assert rollout.llm.calls == ["generate", "sleep 2", "wake weights", "reload 2 tensors", "wake kv_cache",
+                                     "reset prefix cache", "generate"]
+        # a second engine (another rank of a tensor-parallel group, or a rerun) draws the same at the same step,
+        # whatever the global RNG went through before
+        other = VLLMRollout(RolloutConfig(n=3), "model", max_model_len=64, device=torch.device("cuda", 0))
+        torch.rand(5)
+        other.generate(prompts, version=0)
+        other.sync_weights(torch.nn.Linear(2, 2), version=1)
+        other.generate(prompts, version=1)
+        assert other.llm.draws == rollout.llm.draws and rollout.llm.draws[0] != rollout.llm.draws[1]
     finally:
         dist.destroy_process_group()
