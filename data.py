@@ -31,6 +31,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypedDict
 
 import datasets
 import jinja2
@@ -143,15 +144,23 @@ def load_template(path: str) -> jinja2.Template | None:
     raise FileNotFoundError(f"format prompt {path!r} (--data.format-prompt) not found; shipped: {shipped}")
 
 
-class PromptDataset:
-    """The prompts of one dataset, ready for the rollout. With the Qwen chat template, item i is e.g.
+class PromptItem(TypedDict):
+    """One prompt, ready for the rollout (what PromptDataset[i] is). With the Qwen chat template, e.g.
 
-        {"prompt": "<|im_start|>user\\n2221512<|im_end|>\\n<|im_start|>assistant\\n",  # chat-templated text
-         "prompt_ids": [1, 38, 36, 22, 35, 104, ...],    # its tokens (tiny.py), no special tokens added
-         "ground_truth": "2",                            # row[answer_key], any type
-         "row": {"problem": "2221512", "answer": "2"},   # the full row, for the reward function
-         "images": []}                                   # row[image_key], or [] when absent / None
+        {"prompt": "<|im_start|>user\\n2221512<|im_end|>\\n<|im_start|>assistant\\n",
+         "prompt_ids": [1, 38, 36, 22, 35, 104, ...], "ground_truth": "2",
+         "row": {"problem": "2221512", "answer": "2"}, "images": []}
     """
+
+    prompt: str  # the chat-templated text
+    prompt_ids: list[int]  # its tokens, no special tokens added
+    ground_truth: Any  # row[answer_key], any type
+    row: dict  # the full row, for the reward function
+    images: list  # row[image_key], or [] when absent / None
+
+
+class PromptDataset:
+    """The prompts of one dataset, ready for the rollout: item i is a PromptItem."""
 
     def __init__(self, rows: datasets.Dataset, cfg: DataConfig, tokenizer, name: str):
         for key, flag in ((cfg.prompt_key, "--data.prompt-key"), (cfg.answer_key, "--data.answer-key")):
@@ -188,16 +197,11 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int) -> PromptItem:
         row = self.rows[index]
         prompt = self.prompt(row[self.cfg.prompt_key], index)
-        return {
-            "prompt": prompt,
-            "prompt_ids": self.prompt_ids(prompt),
-            "ground_truth": row[self.cfg.answer_key],
-            "row": row,
-            "images": list(row.get(self.cfg.image_key) or []),
-        }
+        return PromptItem(prompt=prompt, prompt_ids=self.prompt_ids(prompt), ground_truth=row[self.cfg.answer_key],
+                          row=row, images=list(row.get(self.cfg.image_key) or []))
 
 
 # ---------------------------------------------------------------- batches: every rank its share
@@ -230,7 +234,7 @@ class PromptLoader:
             random.Random(self.seed + epoch).shuffle(order)
         return order
 
-    def next_batch(self) -> list[dict]:
+    def next_batch(self) -> list[PromptItem]:
         if self.position + self.batch_size > len(self.dataset):  # drop the incomplete last batch
             self.load_state_dict({"epoch": self.epoch + 1, "position": 0})
         start = self.position + self.offset
@@ -246,6 +250,6 @@ class PromptLoader:
         self.order = self._order(self.epoch)
 
 
-def shard(dataset: Sequence, rank: int, world_size: int) -> list[dict]:
+def shard(dataset: Sequence, rank: int, world_size: int) -> list[PromptItem]:
     """This rank's share of a (validation) dataset: items rank, rank + world_size, ... (ranks may differ by one)."""
     return [dataset[i] for i in range(rank, len(dataset), world_size)]

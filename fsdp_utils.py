@@ -112,6 +112,11 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
             buffer.copy_(full_buffers[name])
         dist.broadcast(buffer, src=0)
     del full
+    if trainable:  # losses are normalised by global counts already: the gradient is the sum over ranks
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     model.requires_grad_(trainable)
     model.train(trainable)
     return model

@@ -9,8 +9,8 @@ One training step:
     generate (vLLM) -> rewards -> old/ref log-probs -> advantages -> PPO epochs x mini-batches x
     micro-batches (loss, backward), clip, optimizer step -> LR step -> sync weights into vLLM -> log
 Design decisions:
-- The algorithm is a handful of pure tensor functions (ALGORITHM banner) selected by name; the rest is
-  plumbing. Semantics follow EasyR1 (../shared/spec/algorithms.md); deviations are stated where made.
+- The algorithm is a handful of pure tensor functions (ALGORITHM banner) registered by name; the rest is
+  plumbing. Semantics follow EasyR1 (its 0.3.x line); deviations are stated where made and in the README.
 - Each rank generates for its own prompts, so a prompt's group of n responses lives on one rank and
   group statistics need no communication. Losses are normalised by global counts (all-reduced), so
   the gradient does not depend on how samples are split over ranks or micro-batches.
@@ -23,9 +23,10 @@ import json
 import math
 import os
 import resource
-import shutil
 import sys
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,11 +38,12 @@ import tyro
 import yaml
 from torch.distributed.tensor import DTensor
 
-from data import DataConfig, PromptDataset, PromptLoader, load_rows, shard
+from data import DataConfig, PromptDataset, PromptItem, PromptLoader, load_rows, shard
 from fsdp_utils import all_reduce, init_distributed, load_sharded_model, save_hf_model, sum_over_ranks, to_floats
-from memory import MemoryEstimate, check_memory
-from rewards import RewardConfig, RewardFunction
-from rollout import RolloutConfig, build_rollout, vllm_environment
+from memory import check_run_memory
+from rewards import RewardConfig, RewardFunction, RewardInput
+from rollout import Response, RolloutConfig, build_rollout, vllm_environment
+from tiny import resolve_model
 
 
 @dataclass
@@ -70,12 +72,12 @@ class ActorConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["grpo", "dr_grpo", "grpo_passk", "rloo", "remax", "reinforce_plus_plus"] = "grpo"
-    """Advantage estimator (functions *_advantages below; presets in configs/ pick the matching loss)."""
-    loss_type: Literal["ppo_clip", "gspo", "gspo_token", "cispo", "sapo"] = "ppo_clip"
-    """Policy loss (POLICY_LOSSES below)."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator: a name in ADVANTAGE_ESTIMATORS below (presets in configs/ pick the matching loss)."""
+    loss_type: str = "ppo_clip"
+    """Policy loss: a name in POLICY_LOSSES below."""
     clip_ratio_low: float = 0.2
-    """PPO clip: lower bound of the ratio is 1 - clip_ratio_low."""
+    """PPO clip: lower bound of the ratio is 1 - clip_ratio_low (inf: no lower bound)."""
     clip_ratio_high: float = 0.3
     """PPO clip: upper bound of the ratio is 1 + clip_ratio_high (EasyR1 default 0.3)."""
     clip_ratio_dual: float = 3.0
@@ -84,6 +86,10 @@ class AlgorithmConfig:
     """How per-token losses become one number (token-mean: over every valid token of the mini-batch, all ranks)."""
     token_sum_norm: float = 0.0
     """seq-mean-token-sum's constant normaliser (0: the max response length)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO: temperature of the soft gate for tokens with a non-negative advantage."""
+    sapo_tau_neg: float = 1.05
+    """SAPO: temperature of the soft gate for tokens with a negative advantage."""
     gamma: float = 1.0
     """Discount of REINFORCE++ returns."""
     use_kl_loss: bool = True
@@ -149,82 +155,35 @@ class Config:
 
 
 # ==================================================================================================
-# ALGORITHM: pure tensor functions. B = responses, R = response tokens, mask[b, t] = 1 on valid tokens.
-# Outcome estimators see one score per response (the sum of its token rewards: the reward on the last
-# token, minus the KL penalty when KL is in the reward); REINFORCE++ sees the token rewards themselves.
+# ALGORITHM: pure tensor functions, filed by name in one registry per kind; the config picks them.
+# B = responses on this rank, R = response tokens, mask[b, t] = 1 on valid tokens; the n responses to a
+# prompt are consecutive rows (rows g*n ... g*n + n - 1 are group g). The step calls, in this order:
+# token_rewards -> an ADVANTAGE_ESTIMATORS entry -> for each micro-batch a POLICY_LOSSES entry, the KL
+# loss, aggregate. Adding an algorithm = one registered function, one preset in configs/, one test.
 # ==================================================================================================
 
-
-def _check_groups(scores: torch.Tensor, name: str) -> None:
-    if scores.shape[-1] < 2:
-        raise ValueError(f"{name} compares the responses to one prompt: it needs --rollout.n >= 2")
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}  # name -> fn(AdvantageInputs, AlgorithmConfig) -> advantages [B, R]
+POLICY_LOSSES: dict[str, Callable] = {}  # name -> fn(*, logprobs, old_logprobs, advantages, mask, cfg) -> (loss, stats)
 
 
-def grpo_advantages(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), Bessel-corrected std within each group g.
+def register(registry: dict, name: str):
+    """Decorator: file a function in `registry` under `name`, the config value that selects it."""
+    def add(fn):
+        registry[name] = fn
+        return fn
+    return add
 
-    scores [G, n] (the n responses to each of G prompts) -> advantages [G, n]. A group of equal scores gets 0.
-    Example: one group [1, 0, 0, 1]: mean 0.5, std 0.577 -> [0.866, -0.866, -0.866, 0.866].
+
+def keep_group(scores: list[dict[str, float]], key: str, low: float, high: float) -> bool:
+    """Dynamic sampling (DAPO): keep a group only if low < mean of its `key` scores < high (strict).
+
+    All-right or all-wrong groups have zero GRPO advantage: they would cost compute and teach nothing.
     """
-    _check_groups(scores, "GRPO")
-    return (scores - scores.mean(-1, keepdim=True)) / (scores.std(-1, keepdim=True) + eps)
-
-
-def dr_grpo_advantages(scores: torch.Tensor) -> torch.Tensor:
-    """Dr. GRPO: A_i = R_i - mean_g R (no std division, which over-weights near-uniform groups).
-
-    Example: [1, 0, 0, 1] -> [0.5, -0.5, -0.5, 0.5]. Pair it with loss_agg_mode seq-mean-token-sum.
-    """
-    _check_groups(scores, "Dr. GRPO")
-    return scores - scores.mean(-1, keepdim=True)
-
-
-def grpo_passk_advantages(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO pass@k: only the best response of a group learns, A = (R_max - R_second) / (std_g R + eps).
-
-    Example: [1, 0, 0, 0.5] -> best gets (1 - 0.5) / (0.479 + eps) = 1.044, the others 0.
-    """
-    _check_groups(scores, "GRPO pass@k")
-    top = scores.topk(2, dim=-1).values  # [G, 2]
-    best = F.one_hot(scores.argmax(-1), scores.shape[-1]).to(scores.dtype)  # [G, n], the first best of each group
-    return best * (top[:, :1] - top[:, 1:]) / (scores.std(-1, keepdim=True) + eps)
-
-
-def rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
-    """RLOO: A_i = R_i - (sum_g R - R_i) / (n - 1), each response against the mean of the others.
-
-    Example: [1, 0, 0, 1] -> 1 - 1/3 = 0.667 and 0 - 2/3 = -0.667: [0.667, -0.667, -0.667, 0.667].
-    """
-    _check_groups(scores, "RLOO")
-    return scores - (scores.sum(-1, keepdim=True) - scores) / (scores.shape[-1] - 1)
-
-
-def remax_advantages(scores: torch.Tensor, baselines: torch.Tensor) -> torch.Tensor:
-    """ReMax: A_i = R_i - b, b = the reward of the prompt's greedy response (an extra rollout, temperature 0).
-
-    scores [G, n], baselines [G]. Example: scores [[1, 0]], the greedy answer scored 0.5 -> [[0.5, -0.5]].
-    """
-    return scores - baselines[:, None]
-
-
-def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-                            sum_over_ranks=lambda x: x) -> torch.Tensor:
-    """REINFORCE++: returns G_t = r_t + gamma G_{t+1} (reset past the EOS), whitened over every valid
-    token of the whole batch: A = (G - mean) / sqrt(var + 1e-8) (Bessel-corrected var, as EasyR1).
-
-    token_rewards [B, R] -> advantages [B, R]; `sum_over_ranks` all-reduces a tensor of sums (global
-    whitening). Example, gamma 1: rewards [[0, 1], [0, 0]] -> returns [[1, 1], [0, 0]] -> [[.866]*2, [-.866]*2].
-    """
-    returns = torch.zeros_like(token_rewards)
-    running = torch.zeros_like(token_rewards[:, 0])  # [B]
-    for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]  # nothing flows back from padding past the EOS
-    count, total = sum_over_ranks(torch.stack([mask.sum(), (returns * mask).sum()]))
-    mean = total / count
-    var = sum_over_ranks(((returns - mean).square() * mask).sum()) / (count - 1).clamp(min=1)
-    return (returns - mean) * torch.rsqrt(var + 1e-8) * mask
+    if key not in scores[0]:
+        raise KeyError(f"dynamic sampling key {key!r} is not a reward key ({sorted(scores[0])}): "
+                       "set --algorithm.filter-key")
+    mean = sum(s[key] for s in scores) / len(scores)
+    return low < mean < high
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -246,13 +205,131 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
-def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, batch_size: int) -> float:
-    """Adaptive KL-in-reward coefficient (Ziegler et al. 2019): beta * (1 + clip(KL / target - 1, +-0.2) * B / horizon).
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs,
+                  cfg: "AlgorithmConfig", kl_coef: float, sum_over_ranks=lambda x: x) -> tuple[torch.Tensor, float]:
+    """Token rewards [B, R] and the KL-in-reward coefficient for the next step.
 
-    Example: beta 0.1, KL 0.2 with target 0.1 (error clipped to 0.2), B 100, horizon 1000 -> 0.1 * 1.02 = 0.102.
+    r_t = R_b (the response's score, scores [B]) on its last valid token, 0 elsewhere; with KL in the reward
+    (use_kl_in_reward), minus beta * KL_t(old policy || reference) on every valid token. The coefficient
+    beta = kl_coef stays fixed, or (kl_type adaptive, Ziegler et al. 2019) moves towards kl_target:
+    beta' = beta * (1 + clip(KL / target - 1, -0.2, 0.2) * B / horizon), KL the mean per valid token and B
+    the responses of the step, over all ranks (`sum_over_ranks` all-reduces a tensor of sums).
+    Example: score 1, two valid tokens with k1 KL [0.2, 0.4], beta 0.1 -> [[-0.02, 0.96]]; adaptive with
+    target 0.1, horizon 10: KL 0.3 (error clipped to 0.2), B 1 -> beta' = 0.1 * (1 + 0.2 / 10) = 0.102.
     """
-    error = min(max(kl / target - 1, -0.2), 0.2)
-    return coef * (1 + error * batch_size / horizon)
+    last = mask.sum(-1, keepdim=True).long() - 1  # [B, 1]
+    rewards = torch.zeros_like(mask).scatter(1, last, scores[:, None].to(mask.dtype))  # [B, R]
+    if not cfg.use_kl_in_reward:
+        return rewards, kl_coef
+    kl = kl_penalty(old_logprobs, ref_logprobs, cfg.kl_penalty) * mask  # [B, R]
+    if cfg.kl_type == "adaptive":
+        kl_sum, tokens, responses = sum_over_ranks(torch.stack([kl.sum(), mask.sum(), mask.new_tensor(mask.shape[0])]))
+        error = (kl_sum / tokens / cfg.kl_target - 1).clamp(-0.2, 0.2).item()
+        return rewards - kl_coef * kl, kl_coef * (1 + error * responses.item() / cfg.kl_horizon)
+    return rewards - kl_coef * kl, kl_coef
+
+
+@dataclass
+class AdvantageInputs:
+    """What every advantage estimator receives: this rank's token rewards, in groups of n rows."""
+
+    token_rewards: torch.Tensor  # [B, R], from token_rewards()
+    mask: torch.Tensor  # [B, R], 1 on valid response tokens
+    n: int  # responses per prompt
+    baselines: torch.Tensor | None = None  # [G], the score of each prompt's greedy response (ReMax)
+    sum_over_ranks: Callable = lambda x: x  # all-reduces a tensor of sums (REINFORCE++'s global whitening)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """[G, n]: each response's outcome score, the sum of its token rewards (its reward, minus the KL when
+        KL is in the reward), one row per prompt."""
+        return self.token_rewards.sum(-1).view(-1, self.n)
+
+    def per_token(self, advantages: torch.Tensor) -> torch.Tensor:
+        """[G, n] -> [B, R]: a response's advantage on each of its valid tokens."""
+        return advantages.reshape(-1, 1) * self.mask
+
+
+def _groups_of_two_or_more(x: AdvantageInputs, name: str) -> torch.Tensor:
+    if x.n < 2:
+        raise ValueError(f"{name} compares the responses to one prompt: it needs --rollout.n >= 2")
+    return x.scores
+
+
+@register(ADVANTAGE_ESTIMATORS, "grpo")
+def grpo_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig", eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), Bessel-corrected std within each group g.
+
+    A group of equal scores gets 0. Example: one group [1, 0, 0, 1]: mean 0.5, std 0.577 -> [0.866, -0.866,
+    -0.866, 0.866] on every valid token of each response.
+    """
+    s = _groups_of_two_or_more(x, "GRPO")  # [G, n]
+    return x.per_token((s - s.mean(-1, keepdim=True)) / (s.std(-1, keepdim=True) + eps))
+
+
+@register(ADVANTAGE_ESTIMATORS, "dr_grpo")
+def dr_grpo_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
+    """Dr. GRPO: A_i = R_i - mean_g R (no std division, which over-weights near-uniform groups).
+
+    Example: [1, 0, 0, 1] -> [0.5, -0.5, -0.5, 0.5]. Pair it with loss_agg_mode seq-mean-token-sum.
+    """
+    s = _groups_of_two_or_more(x, "Dr. GRPO")
+    return x.per_token(s - s.mean(-1, keepdim=True))
+
+
+@register(ADVANTAGE_ESTIMATORS, "grpo_passk")
+def grpo_passk_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig", eps: float = 1e-6) -> torch.Tensor:
+    """GRPO pass@k: only the best response of a group learns, A = (R_max - R_second) / (std_g R + eps).
+
+    Example: [1, 0, 0, 0.5] -> best gets (1 - 0.5) / (0.479 + eps) = 1.044, the others 0.
+    """
+    s = _groups_of_two_or_more(x, "GRPO pass@k")
+    top = s.topk(2, dim=-1).values  # [G, 2]
+    best = F.one_hot(s.argmax(-1), x.n).to(s.dtype)  # [G, n]: the first best response of each group
+    return x.per_token(best * (top[:, :1] - top[:, 1:]) / (s.std(-1, keepdim=True) + eps))
+
+
+@register(ADVANTAGE_ESTIMATORS, "rloo")
+def rloo_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
+    """RLOO: A_i = R_i - (sum_g R - R_i) / (n - 1), each response against the mean of the others.
+
+    Example: [1, 0, 0, 1] -> 1 - 1/3 = 0.667 and 0 - 2/3 = -0.667: [0.667, -0.667, -0.667, 0.667].
+    """
+    s = _groups_of_two_or_more(x, "RLOO")
+    return x.per_token(s - (s.sum(-1, keepdim=True) - s) / (x.n - 1))
+
+
+@register(ADVANTAGE_ESTIMATORS, "remax")
+def remax_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
+    """ReMax: A_i = R_i - b_g, b_g = the reward of the prompt's greedy response (an extra rollout, temperature 0).
+
+    Example: scores [[1, 0]], the greedy answer scored 0.5 -> [[0.5, -0.5]]. The baseline is broadcast per
+    group ([G, 1] against [G, n]); the reference multiplies a [B] baseline by the [B, T] mask, which fails,
+    or silently mis-broadcasts when B equals T.
+    """
+    return x.per_token(x.scores - x.baselines[:, None])
+
+
+@register(ADVANTAGE_ESTIMATORS, "reinforce_plus_plus")
+def reinforce_pp_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
+    """REINFORCE++: returns G_t = r_t + gamma G_{t+1} (reset past the EOS), whitened over every valid
+    token of the whole batch (all ranks): A = (G - mean) / sqrt(var + 1e-8) (Bessel-corrected var, as EasyR1).
+
+    Works on the token rewards themselves. Example, gamma 1: rewards [[0, 1], [0, 0]] -> returns [[1, 1],
+    [0, 0]] -> [[.866]*2, [-.866]*2]. Padding gets 0 (the reference leaves (0 - mean) / std there; no loss
+    reads it either way).
+    """
+    rewards, mask = x.token_rewards, x.mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])  # [B]
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + cfg.gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]  # nothing flows back from padding past the EOS
+    count, total = x.sum_over_ranks(torch.stack([mask.sum(), (returns * mask).sum()]))
+    mean = total / count
+    var = x.sum_over_ranks(((returns - mean).square() * mask).sum()) / (count - 1).clamp(min=1)
+    return (returns - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
 def clipped_ratio_loss(log_ratio, advantages, mask, clip_low: float, clip_high: float, clip_dual: float):
@@ -260,6 +337,9 @@ def clipped_ratio_loss(log_ratio, advantages, mask, clip_low: float, clip_high: 
 
     r = exp(clamp(rho, -20, 20)); L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
     where A < 0 also L = min(L, -A * clip_dual) (dual clip bounds the loss of very off-policy tokens).
+    Logged, as fractions of valid tokens: clipfrac_higher (A > 0, r above the clip), clipfrac_lower (A < 0,
+    r below it), clipfrac_dual (the dual clip binds). The reference's pg_clipfrac_higher is our higher +
+    lower (any PPO clip), its pg_clipfrac_lower our dual.
     """
     ratio = torch.exp(log_ratio.clamp(-20, 20))
     loss_unclipped = -advantages * ratio
@@ -276,8 +356,13 @@ def clipped_ratio_loss(log_ratio, advantages, mask, clip_low: float, clip_high: 
     return torch.where(advantages < 0, loss_dual, loss), stats
 
 
-def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
-    """PPO / GRPO / DAPO: the clipped loss with the token ratio, rho = l - l_old."""
+@register(POLICY_LOSSES, "ppo_clip")
+def ppo_clip_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+    """PPO / GRPO / DAPO: the clipped loss with the token ratio, rho = l - l_old.
+
+    Every loss takes keyword arguments only: EasyR1's order is (old, new), ours would be (new, old), and a
+    positional call ported from there would silently invert the ratio.
+    """
     return clipped_ratio_loss(logprobs - old_logprobs, advantages, mask,
                               cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
 
@@ -287,7 +372,8 @@ def _sequence_log_ratio(logprobs, old_logprobs, mask) -> torch.Tensor:
     return ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
-def gspo_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+@register(POLICY_LOSSES, "gspo")
+def gspo_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
     """GSPO: the clipped loss with one ratio per sequence, rho[i, t] = s_i (sequence-level clipping).
 
     Example: token log-ratios [0.1, 0.3] -> s = 0.2 for both tokens; the whole sequence is in or out of the clip.
@@ -296,18 +382,22 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
     return clipped_ratio_loss(log_ratio, advantages, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
 
 
-def gspo_token_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+@register(POLICY_LOSSES, "gspo_token")
+def gspo_token_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
     """GSPO-token: rho[i, t] = sg(s_i) + l - sg(l): the value of the sequence ratio, a per-token gradient."""
     s = _sequence_log_ratio(logprobs, old_logprobs, mask).detach()
     log_ratio = s + logprobs - logprobs.detach()
     return clipped_ratio_loss(log_ratio, advantages, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
 
 
-def cispo_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+@register(POLICY_LOSSES, "cispo")
+def cispo_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
     """CISPO: L = -A * sg(clip(r, 1 - clip_low, 1 + clip_high)) * l, REINFORCE weighted by a clipped,
     detached importance ratio: clipped tokens still get a gradient (through l), only their weight is capped.
 
-    Example: A = 1, r = 6 with clip_high 4 -> weight 5, dL/dl = -5.
+    Example: A = 1, r = 6 with clip_high 4 -> weight 5, dL/dl = -5. The `cispo` preset follows the
+    reference, clip_low 0 (weights at least 1); the MiniMax-M1 paper has no lower bound:
+    --algorithm.clip-ratio-low inf.
     """
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
     weight = ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high).detach()
@@ -317,27 +407,26 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig")
     return -advantages * weight * logprobs, stats
 
 
-def sapo_loss(logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
-    """SAPO: a soft gate instead of a hard clip, L = -A * (4 / tau) * sigmoid(tau * (r - 1)),
-    tau = 1.0 where A >= 0 and 1.05 where A < 0. At r = 1 the gradient is PPO's (dL/dr = -A); far from 1
-    it fades smoothly instead of dropping to zero at a clip boundary.
+@register(POLICY_LOSSES, "sapo")
+def sapo_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+    """SAPO: a soft gate instead of a hard clip, L = -A * (4 / tau) * sigmoid(tau * (r - 1)), tau =
+    sapo_tau_pos (1.0) where A >= 0 and sapo_tau_neg (1.05) where A < 0. At r = 1 the gradient is PPO's
+    (dL/dr = -A); far from 1 it fades smoothly instead of dropping to zero at a clip boundary.
     """
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
-    tau = torch.where(advantages >= 0, 1.0, 1.05)
+    tau = torch.where(advantages >= 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
     return -advantages * (4 / tau) * torch.sigmoid(tau * (ratio - 1)), {}
 
 
-POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "gspo_token": gspo_token_loss,
-                 "cispo": cispo_loss, "sapo": sapo_loss}
-
-
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: float, global_sequences: float,
-              token_sum_norm: float = 1.0) -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, global_tokens, global_sequences,
+              token_sum_norm: float) -> torch.Tensor:
     """Sum this micro-batch's share of the mini-batch loss, normalised by counts over all ranks.
 
     token-mean: sum(L m) / tokens; seq-mean-token-mean: sum_i (sum_t L m / sum_t m) / sequences;
-    seq-mean-token-sum (Dr. GRPO): sum_i sum_t L m / (sequences * token_sum_norm), a constant normaliser.
-    Summing the shares of every micro-batch on every rank gives the exact mini-batch value.
+    seq-mean-token-sum (Dr. GRPO): sum_i sum_t L m / (sequences * token_sum_norm), a constant normaliser
+    (the config's 0 means the max response length; the caller resolves it).
+    Summing the shares of every micro-batch on every rank gives the exact mini-batch value; the reference
+    averages each micro-batch's sequences and rescales, which is exact only when micro-batches are equal.
     """
     if mode == "token-mean":
         return (loss * mask).sum() / global_tokens
@@ -348,39 +437,85 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: 
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def compute_advantages(estimator: str, token_rewards, mask, n: int, baselines, gamma: float, sum_over_ranks):
-    """Dispatch to an estimator: outcome estimators get one score per response, broadcast over its tokens.
-
-    The responses are in groups of n consecutive rows (one group per prompt); baselines [G] (ReMax) or None.
-    """
-    if estimator == "reinforce_plus_plus":
-        return reinforce_pp_advantages(token_rewards, mask, gamma, sum_over_ranks)
-    scores = token_rewards.sum(-1).view(-1, n)  # [G, n]
-    outcome = {
-        "grpo": lambda: grpo_advantages(scores),
-        "dr_grpo": lambda: dr_grpo_advantages(scores),
-        "grpo_passk": lambda: grpo_passk_advantages(scores),
-        "rloo": lambda: rloo_advantages(scores),
-        "remax": lambda: remax_advantages(scores, baselines),
-    }[estimator]()
-    return outcome.reshape(-1, 1) * mask  # [B, R]
-
-
-def mixed_group(scores: list[dict[str, float]], key: str, low: float, high: float) -> bool:
-    """Dynamic sampling (DAPO): keep a group only if low < mean of its `key` scores < high (strict).
-
-    All-right or all-wrong groups have zero GRPO advantage: they would cost compute and teach nothing.
-    """
-    if key not in scores[0]:
-        raise KeyError(f"dynamic sampling key {key!r} is not a reward key ({sorted(scores[0])}): "
-                       "set --algorithm.filter-key")
-    mean = sum(s[key] for s in scores) / len(scores)
-    return low < mean < high
-
-
 # ==================================================================================================
-# PLUMBING: batches, log-probs, the update, validation, logging, the loop.
+# PLUMBING: rollouts, batches, log-probs, the update, metrics, validation, set-up, the loop; in the
+# order the step calls them.
 # ==================================================================================================
+
+
+@dataclass
+class Group:
+    """The rollout of one prompt: its dataset item, its n responses, their reward dicts, and (ReMax) the
+    score of its greedy response."""
+
+    item: PromptItem
+    responses: list[Response]
+    scores: list[dict[str, float]]
+    baseline: float | None = None
+
+
+class PhaseTimer:
+    """Seconds per phase of a step, as `timing/<phase>` metrics; GPU work is waited for at each phase's end.
+
+        with timer("update"): ...     # adds to timing/update (a phase entered twice adds up)
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        key = f"timing/{phase}"
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+
+def score_groups(reward_fn: RewardFunction, tokenizer, items: list[PromptItem],
+                 responses: list[list[Response]]) -> list[Group]:
+    """Each prompt's responses scored by the reward function (one call for the whole batch)."""
+    scores = iter(reward_fn([RewardInput(response=tokenizer.decode(r.token_ids, skip_special_tokens=True),
+                                         response_length=len(r.token_ids), ground_truth=item["ground_truth"],
+                                         prompt=item["prompt"], row=item["row"], images=item["images"])
+                             for item, group in zip(items, responses) for r in group]))
+    return [Group(item, group, [next(scores) for _ in group]) for item, group in zip(items, responses)]
+
+
+def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: Config, version: int,
+                     timer: PhaseTimer, device: torch.device) -> tuple[list[Group], dict]:
+    """Generate and score rounds of prompts until this rank holds its share of groups.
+
+    One round, unless dynamic sampling drops groups: then more rounds, in lockstep over all ranks, until
+    every rank has rollout_batch_size / world_size kept groups (extras are cut). ReMax also generates one
+    greedy response per prompt, whose score is that group's baseline. Returns the groups and sampling stats.
+    """
+    algo = cfg.algorithm
+    quota = cfg.trainer.rollout_batch_size // dist.get_world_size()
+    kept, generated = [], 0
+    for rounds in range(1, algo.max_sampling_rounds + 1):
+        items = loader.next_batch()
+        with timer("generate"):
+            responses = rollout.generate(items, version)
+            greedy = rollout.generate(items, version, greedy=True) if algo.adv_estimator == "remax" else None
+        with timer("reward"):
+            groups = score_groups(reward_fn, tokenizer, items, responses)
+            for group, greedy_group in zip(groups, score_groups(reward_fn, tokenizer, items, greedy) if greedy else []):
+                group.baseline = greedy_group.scores[0]["overall"]
+        kept += [g for g in groups
+                 if not algo.online_filtering or keep_group(g.scores, algo.filter_key, algo.filter_low, algo.filter_high)]
+        generated += len(items)
+        if not algo.online_filtering or all_reduce({"kept": len(kept)}, device, dist.ReduceOp.MIN)["kept"] >= quota:
+            break
+    else:
+        raise RuntimeError(
+            f"dynamic sampling: after {algo.max_sampling_rounds} rounds some rank kept fewer than {quota} groups "
+            f"with {algo.filter_low} < mean {algo.filter_key} < {algo.filter_high} (this rank: {len(kept)}). "
+            "Raise --algorithm.max-sampling-rounds, widen the bounds, or pick an easier start (model, data).")
+    kept = kept[:quota]
+    totals = all_reduce({"kept": len(kept), "generated": generated}, device)
+    return kept, {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": totals["kept"] / totals["generated"]}
 
 
 def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
@@ -441,10 +576,11 @@ def backward_mini_batch(model, batch: dict, old_logprobs, ref_logprobs, advantag
     """Loss and backward over the micro-batches of one mini-batch (this rank's share of it).
 
     The accumulated gradient equals that of the whole mini-batch on all ranks at once: every micro-batch's
-    loss is already divided by the global count (aggregate), and FSDP's average over ranks is undone.
-    Returns sums of per-token statistics (and the token count) for logging, as tensors on the batch's device.
+    loss is already divided by the global count (aggregate), and FSDP sums gradients over ranks instead of
+    averaging them (fsdp_utils.load_sharded_model). Returns sums of per-token statistics (and the token
+    count) for logging, as tensors on the batch's device.
     """
-    algo, world = cfg.algorithm, dist.get_world_size()
+    algo = cfg.algorithm
     mask = batch["response_mask"]
     counts = all_reduce({"tokens": mask.sum(), "sequences": mask.shape[0]}, mask.device)
     token_sum_norm = algo.token_sum_norm or cfg.rollout.max_response_length
@@ -453,14 +589,15 @@ def backward_mini_batch(model, batch: dict, old_logprobs, ref_logprobs, advantag
         index = slice(start, start + cfg.actor.micro_batch_size)
         micro, micro_mask = select(batch, index), mask[index]
         logprobs = response_logprobs(model, micro, cfg.rollout.temperature)  # [b, R]
-        loss, stats = POLICY_LOSSES[algo.loss_type](logprobs, old_logprobs[index], advantages[index], micro_mask, algo)
+        loss, stats = POLICY_LOSSES[algo.loss_type](logprobs=logprobs, old_logprobs=old_logprobs[index],
+                                                    advantages=advantages[index], mask=micro_mask, cfg=algo)
         stats["actor/pg_loss"] = loss.detach()
         if algo.use_kl_loss:
             kl = kl_penalty(logprobs, ref_logprobs[index], algo.kl_penalty)
             loss = loss + algo.kl_coef * kl
             stats["actor/kl_loss"] = kl.detach()
-        aggregated = aggregate(loss, micro_mask, algo.loss_agg_mode, counts["tokens"], counts["sequences"], token_sum_norm)
-        (aggregated * world).backward()  # FSDP averages gradients over ranks: * world makes it the global sum
+        aggregate(loss, micro_mask, algo.loss_agg_mode, global_tokens=counts["tokens"],
+                  global_sequences=counts["sequences"], token_sum_norm=token_sum_norm).backward()
         for key, value in stats.items():
             sums[key] = sums.get(key, 0.0) + (value * micro_mask).sum()
     return sums
@@ -493,75 +630,14 @@ def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, adv
     return metrics
 
 
-def flatten(items: list[dict], groups: list[list]) -> list[tuple[int, dict, object]]:
-    """(prompt index, dataset item, response) for every response, grouped by prompt."""
-    return [(i, item, r) for i, (item, responses) in enumerate(zip(items, groups)) for r in responses]
-
-
-def score(reward_fn: RewardFunction, tokenizer, flat) -> list[dict[str, float]]:
-    return reward_fn([{
-        "response": tokenizer.decode(r.token_ids, skip_special_tokens=True),
-        "response_length": len(r.token_ids),
-        "ground_truth": item["ground_truth"],
-        "prompt": item["prompt"],
-        "row": item["row"],
-        "images": item["images"],
-    } for _, item, r in flat])
-
-
-def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: Config, version: int,
-                     timing: dict[str, float], device: torch.device):
-    """Generate and score rounds of prompts until this rank holds its share of groups.
-
-    One round, unless dynamic sampling drops groups: then more rounds, in lockstep over all ranks, until
-    every rank has rollout_batch_size / world_size kept groups (extras are cut). ReMax also generates one
-    greedy response per prompt, whose score is that prompt's baseline.
-    Returns the kept (group, item, response) triples, their scores, one baseline per group (or None), sampling stats.
-    """
-    algo = cfg.algorithm
-    quota = cfg.trainer.rollout_batch_size // dist.get_world_size()
-    kept, generated = [], 0  # kept: (item, responses, scores, baseline) per group
-    for rounds in range(1, algo.max_sampling_rounds + 1):
-        items = loader.next_batch()
-        clock = time.perf_counter()
-        groups = rollout.generate(items, version)
-        greedy = rollout.generate(items, version, greedy=True) if algo.adv_estimator == "remax" else None
-        timing["timing/generate"] += time.perf_counter() - clock
-        clock = time.perf_counter()
-        scores = score(reward_fn, tokenizer, flatten(items, groups))
-        baselines = score(reward_fn, tokenizer, flatten(items, greedy)) if greedy else [None] * len(items)
-        timing["timing/reward"] += time.perf_counter() - clock
-        n = cfg.rollout.n
-        for i, (item, responses) in enumerate(zip(items, groups)):
-            group_scores = scores[i * n : (i + 1) * n]
-            if not algo.online_filtering or mixed_group(group_scores, algo.filter_key, algo.filter_low, algo.filter_high):
-                kept.append((item, responses, group_scores, baselines[i]))
-        generated += len(items)
-        if not algo.online_filtering or all_reduce({"kept": len(kept)}, device, dist.ReduceOp.MIN)["kept"] >= quota:
-            break
-    else:
-        raise RuntimeError(
-            f"dynamic sampling: after {algo.max_sampling_rounds} rounds some rank kept fewer than {quota} groups "
-            f"with {algo.filter_low} < mean {algo.filter_key} < {algo.filter_high} (this rank: {len(kept)}). "
-            "Raise --algorithm.max-sampling-rounds, widen the bounds, or pick an easier start (model, data).")
-    kept = kept[:quota]
-    totals = all_reduce({"kept": len(kept), "generated": generated}, device)
-    flat = [(g, item, r) for g, (item, responses, _, _) in enumerate(kept) for r in responses]
-    scores = [s for _, _, group_scores, _ in kept for s in group_scores]
-    baselines = [b["overall"] for _, _, _, b in kept] if greedy else None
-    stats = {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": totals["kept"] / totals["generated"]}
-    return flat, scores, baselines, stats
-
-
-def outcome_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token rewards [B, R]: each response's score on its last valid token, zero elsewhere."""
-    last = mask.sum(-1, keepdim=True).long() - 1  # [B, 1]
-    return torch.zeros_like(mask).scatter(1, last, scores[:, None].to(mask.dtype))
-
-
 def logprob_metrics(batch: dict, old_logprobs, ref_logprobs) -> dict[str, torch.Tensor]:
     """The engine-vs-trainer gap on the sampled tokens (a stale or mis-synced engine shows up here), the
-    entropy proxy (mean -log p of sampled tokens) and the k1 KL to the reference, over all ranks."""
+    entropy proxy and the k1 KL to the reference, over all ranks.
+
+    The entropy proxy is the mean -log p of the sampled tokens under the policy that sampled them (the old
+    log-probs); the reference logs it from the log-probs of the update, which differ after the first
+    optimizer step of a batch.
+    """
     mask = batch["response_mask"]
     diff = (old_logprobs - batch["rollout_logprobs"]) * mask  # [B, R]
     kl = ((old_logprobs - ref_logprobs) * mask).sum() if ref_logprobs is not None else 0.0
@@ -573,8 +649,10 @@ def logprob_metrics(batch: dict, old_logprobs, ref_logprobs) -> dict[str, torch.
             "actor/entropy_proxy": sums["entropy"] / tokens, "actor/kl_ref": sums["kl"] / tokens}
 
 
-def score_metrics(prefix: str, scores: list[dict[str, float]], responses, device: torch.device) -> dict[str, torch.Tensor]:
+def score_metrics(prefix: str, groups: list[Group], device: torch.device) -> dict[str, torch.Tensor]:
     """Mean/std of every reward key and response-length stats over all ranks."""
+    scores = [s for g in groups for s in g.scores]
+    responses = [r for g in groups for r in g.responses]
     keys = sorted(scores[0]) if scores else []
     lengths = [len(r.token_ids) for r in responses]
     sums = {"count": len(scores), "length": sum(lengths), "truncated": sum(r.truncated for r in responses)}
@@ -592,15 +670,15 @@ def score_metrics(prefix: str, scores: list[dict[str, float]], responses, device
 
 
 def validate(rollout, val_items, step, tokenizer, reward_fn, run_dir: Path, device: torch.device) -> dict:
-    flat = flatten(val_items, rollout.generate(val_items, step, validation=True))
-    scores = score(reward_fn, tokenizer, flat)
+    groups = score_groups(reward_fn, tokenizer, val_items, rollout.generate(val_items, step, validation=True))
     if dist.get_rank() == 0:
+        samples = [(g.item, r, s) for g in groups for r, s in zip(g.responses, g.scores)][:4]
         with open(run_dir / "generations.jsonl", "a") as f:
-            for (_, item, response), sample_scores in list(zip(flat, scores))[:4]:
+            for item, response, sample_scores in samples:
                 f.write(json.dumps({"step": step, "prompt": item["prompt"], "ground_truth": str(item["ground_truth"]),
                                     "response": tokenizer.decode(response.token_ids, skip_special_tokens=True),
                                     "score": sample_scores}) + "\n")
-    return score_metrics("val", scores, [r for _, _, r in flat], device)
+    return score_metrics("val", groups, device)
 
 
 def lr_lambda(actor: ActorConfig, total_steps: int):
@@ -620,41 +698,6 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def resolve_model(model_path: str, output_dir: str) -> str:
-    """`tiny:ARCH` -> a tiny random model under output_dir/models, built on every node; else unchanged.
-
-    Nodes need not share a filesystem, so local rank 0 of each node builds it (deterministically), into a
-    private folder renamed into place: where nodes do share one, the first rename wins and the others find
-    the model there. Called before the process group exists (transformers' save_pretrained writes weights
-    on global rank 0 only once there is one); the caller's first barrier waits for it.
-    """
-    if not model_path.startswith("tiny:"):
-        return model_path
-    from tiny import build_tiny_model
-
-    path = Path(output_dir) / "models" / f"tiny-{model_path.removeprefix('tiny:')}"
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (path / "config.json").exists():
-        tmp = build_tiny_model(model_path.removeprefix("tiny:"), path.with_name(f"{path.name}.tmp-{os.getpid()}"))
-        try:
-            tmp.rename(path)
-        except OSError:  # another node's copy got there first (shared filesystem)
-            shutil.rmtree(tmp)
-    return str(path)
-
-
-def check_gpu_memory(cfg: Config, model_path: str, world_size: int, gpu_bytes: int) -> MemoryEstimate:
-    """memory.check_memory with this run's settings: refuses a run that cannot fit, naming the flags to change."""
-    from transformers import AutoConfig
-
-    return check_memory(AutoConfig.from_pretrained(model_path), world_size=world_size, gpu_bytes=gpu_bytes,
-                        kl=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
-                        micro_batch_size=cfg.actor.micro_batch_size,
-                        max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-                        gradient_checkpointing=cfg.actor.gradient_checkpointing, engine=cfg.rollout.engine,
-                        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                        tensor_parallel_size=cfg.rollout.tensor_parallel_size)
-
-
 def check_config(cfg: Config, world_size: int) -> None:
     """Fail before anything is loaded, naming the flag to change."""
     t, n = cfg.trainer, cfg.rollout.n
@@ -669,8 +712,16 @@ def check_config(cfg: Config, world_size: int) -> None:
         problems.append(f"--actor.micro-batch-size {cfg.actor.micro_batch_size} must divide the per-rank mini-batch "
                         f"(global_batch_size x n / world size = {t.global_batch_size * n // world_size} sequences)")
     algo = cfg.algorithm
-    if algo.adv_estimator in ("grpo", "dr_grpo", "grpo_passk", "rloo") and n < 2:
-        problems.append(f"--rollout.n {n}: {algo.adv_estimator} compares responses within a group, it needs n >= 2")
+    if algo.adv_estimator not in ADVANTAGE_ESTIMATORS:
+        problems.append(f"--algorithm.adv-estimator {algo.adv_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    else:  # a dry run on one group of n zero rewards finds what an estimator needs of n
+        zeros = torch.zeros(n, 1)
+        try:
+            ADVANTAGE_ESTIMATORS[algo.adv_estimator](AdvantageInputs(zeros, zeros + 1, n, torch.zeros(1)), algo)
+        except ValueError as error:
+            problems.append(f"--rollout.n {n}: {algo.adv_estimator} compares responses within a group ({error})")
+    if algo.loss_type not in POLICY_LOSSES:
+        problems.append(f"--algorithm.loss-type {algo.loss_type!r}: choose one of {sorted(POLICY_LOSSES)}")
     if algo.use_kl_loss and algo.use_kl_in_reward:
         problems.append("--algorithm.use-kl-loss and --algorithm.use-kl-in-reward: pick one place for the KL")
     if algo.online_filtering and algo.max_sampling_rounds < 1:
@@ -715,7 +766,7 @@ def main(cfg: Config) -> None:
     algo = cfg.algorithm
     uses_kl = algo.use_kl_loss or algo.use_kl_in_reward
     if device.type == "cuda":  # refuse a run that cannot fit now, not with an out-of-memory error minutes later
-        estimate = check_gpu_memory(cfg, model_path, world, torch.cuda.get_device_properties(device).total_memory)
+        estimate = check_run_memory(cfg, model_path, world, torch.cuda.get_device_properties(device).total_memory)
         console.print(f"memory estimate per GPU (memory.py): rollout {estimate.rollout_total / 2**30:.1f} GiB, training "
                       f"{estimate.training_total / 2**30:.1f} GiB, of {estimate.gpu_bytes / 2**30:.1f} GiB")
     actor = load_sharded_model(model_path, device, trainable=True, gradient_checkpointing=cfg.actor.gradient_checkpointing)
@@ -726,7 +777,7 @@ def main(cfg: Config) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.actor, cfg.trainer.total_steps))
     rollout = build_rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                             device, actor)
-    kl_coef = algo.kl_coef  # changes over time with the adaptive KL-in-reward controller
+    kl_coef = algo.kl_coef  # the KL-in-reward coefficient; token_rewards() returns the next one (adaptive KL)
 
     history: list[dict] = []
     start_time = time.perf_counter()
@@ -739,64 +790,52 @@ def main(cfg: Config) -> None:
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=cfg.trainer.total_steps)
         for step in range(1, cfg.trainer.total_steps + 1):
-            timing: dict[str, float] = {"timing/generate": 0.0, "timing/reward": 0.0}
-
-            def lap(name: str) -> None:
-                nonlocal clock
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                now = time.perf_counter()
-                timing[f"timing/{name}"] = now - clock
-                clock = now
+            timer = PhaseTimer(device)
 
             # ---- generate + score (more rounds when dynamic sampling drops groups) ------------------------
-            flat, scores, baselines, metrics = collect_rollouts(rollout, loader, reward_fn, tokenizer, cfg, step - 1, timing,
-                                                                device)
+            groups, metrics = collect_rollouts(rollout, loader, reward_fn, tokenizer, cfg, step - 1, timer, device)
             rollout.sleep()
-            responses = [r for _, _, r in flat]
-            clock = time.perf_counter()
-
-            # ---- log-probs, advantages ----------------------------------------------------------------
-            batch = make_batch([item["prompt_ids"] for _, item, _ in flat], [r.token_ids for r in responses],
-                               tokenizer.pad_token_id, [r.logprobs for r in responses], device)
+            responses = [r for g in groups for r in g.responses]
+            batch = make_batch([g.item["prompt_ids"] for g in groups for _ in g.responses],
+                               [r.token_ids for r in responses], tokenizer.pad_token_id,
+                               [r.logprobs for r in responses], device)
             mask = batch["response_mask"]
-            old_logprobs = batched_logprobs(actor, batch, cfg.rollout.temperature, cfg.actor.micro_batch_size)
-            lap("old_logprob")
-            ref_logprobs = (batched_logprobs(ref, batch, cfg.rollout.temperature, cfg.actor.micro_batch_size)
-                            if ref is not None else None)
-            lap("ref_logprob")
-            token_rewards = outcome_on_last_token(torch.tensor([s["overall"] for s in scores], device=device), mask)
-            if algo.use_kl_in_reward:  # KL in the reward is paid on every token
-                kl_tokens = kl_penalty(old_logprobs, ref_logprobs, algo.kl_penalty) * mask  # [B, R]
-                token_rewards -= kl_coef * kl_tokens
-                metrics["actor/kl_reward_coef"] = kl_coef
-                if algo.kl_type == "adaptive":
-                    kl_sums = to_floats(all_reduce({"kl": kl_tokens.sum(), "tokens": mask.sum()}, device))
-                    kl_coef = adaptive_kl_coef(kl_coef, kl_sums["kl"] / kl_sums["tokens"], algo.kl_target, algo.kl_horizon,
-                                               cfg.trainer.rollout_batch_size * cfg.rollout.n)
-            baselines_t = torch.tensor(baselines, device=device) if baselines is not None else None  # [G]
-            advantages = compute_advantages(algo.adv_estimator, token_rewards, mask, cfg.rollout.n, baselines_t,
-                                            algo.gamma, sum_over_ranks)  # [B, R]
 
+            # ---- log-probs ---------------------------------------------------------------------------
+            with timer("old_logprob"):
+                old_logprobs = batched_logprobs(actor, batch, cfg.rollout.temperature, cfg.actor.micro_batch_size)
+            with timer("ref_logprob"):
+                ref_logprobs = (batched_logprobs(ref, batch, cfg.rollout.temperature, cfg.actor.micro_batch_size)
+                                if ref is not None else None)
+
+            # ---- token rewards, advantages ---------------------------------------------------------------
+            scores = torch.tensor([s["overall"] for g in groups for s in g.scores], device=device)  # [B]
+            if algo.use_kl_in_reward:
+                metrics["actor/kl_reward_coef"] = kl_coef
+            rewards, kl_coef = token_rewards(scores, mask, old_logprobs, ref_logprobs, algo, kl_coef, sum_over_ranks)
+            baselines = (torch.tensor([g.baseline for g in groups], device=device)  # [G]
+                         if groups[0].baseline is not None else None)
+            advantages = ADVANTAGE_ESTIMATORS[algo.adv_estimator](
+                AdvantageInputs(rewards, mask, cfg.rollout.n, baselines, sum_over_ranks), algo)  # [B, R]
             metrics.update(logprob_metrics(batch, old_logprobs, ref_logprobs))
 
             # ---- update ------------------------------------------------------------------------------
-            metrics.update(update_policy(actor, optimizer, batch, old_logprobs, ref_logprobs, advantages, cfg))
-            scheduler.step()
-            lap("update")
+            with timer("update"):
+                metrics.update(update_policy(actor, optimizer, batch, old_logprobs, ref_logprobs, advantages, cfg))
+                scheduler.step()
 
             # ---- sync the engine ---------------------------------------------------------------------
-            rollout.sync_weights(actor, version=step)
-            lap("sync")
+            with timer("sync"):
+                rollout.sync_weights(actor, version=step)
 
             # ---- validate, log -------------------------------------------------------------------------
-            metrics.update(score_metrics("train", scores, responses, device))
+            metrics.update(score_metrics("train", groups, device))
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
             if val_items and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or step == cfg.trainer.total_steps):
-                metrics.update(validate(rollout, val_items, step, tokenizer, reward_fn, run_dir, device))
-                lap("validate")
-            step_time = sum(timing.values())
-            metrics.update(timing)
+                with timer("validate"):
+                    metrics.update(validate(rollout, val_items, step, tokenizer, reward_fn, run_dir, device))
+            step_time = sum(timer.seconds.values())
+            metrics.update(timer.seconds)
             sequence_tokens = all_reduce({"tokens": batch["input_ids"].numel()}, device)["tokens"]
             metrics.update({"timing/step": step_time, "perf/tokens_per_s": sequence_tokens / step_time,
                             "perf/peak_memory_gib": all_reduce({"peak": peak_memory_gib(device)}, device,

@@ -180,6 +180,17 @@ def check_memory(model_config, **options) -> MemoryEstimate:
     return e
 
 
+def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> MemoryEstimate:
+    """check_memory with a grpo.py run's settings (`cfg` is its Config), called at start-up on GPU."""
+    return check_memory(AutoConfig.from_pretrained(model_path), world_size=world_size, gpu_bytes=gpu_bytes,
+                        kl=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+                        micro_batch_size=cfg.actor.micro_batch_size,
+                        max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                        gradient_checkpointing=cfg.actor.gradient_checkpointing, engine=cfg.rollout.engine,
+                        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                        tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Estimate the per-GPU memory of a grpo.py run from a model's config.")
     parser.add_argument("model", help="HF model folder or hub id (only its config is read)")

@@ -64,7 +64,7 @@ class RewardError(Exception):
 # Built-in rewards
 # ---------------------------------------------------------------------------------------------------
 
-def toy(inp: RewardInput) -> dict[str, float]:
+def toy_reward(inp: RewardInput) -> dict[str, float]:
     """The built-in task's reward: the right digit first (accuracy), and then stopping right there (concise).
 
     overall = 0.5 accuracy + 0.5 accuracy * concise; accuracy: the stripped response starts with the
@@ -78,7 +78,7 @@ def toy(inp: RewardInput) -> dict[str, float]:
     return {"overall": 0.5 * accuracy + 0.5 * accuracy * concise, "accuracy": accuracy, "concise": concise}
 
 
-def math(inp: RewardInput, format_weight: float = 0.1) -> dict[str, float]:
+def math_reward(inp: RewardInput, format_weight: float = 0.1) -> dict[str, float]:
     """EasyR1's math reward: the last \\boxed{} graded against the ground truth, plus a format bonus.
 
     ground truth "1/2": "<think>..</think> so \\boxed{\\frac{1}{2}}" -> format 1, accuracy 1, overall 1.0;
@@ -92,7 +92,7 @@ def math(inp: RewardInput, format_weight: float = 0.1) -> dict[str, float]:
     return {"overall": overall, "format": format_ok, "accuracy": accuracy}
 
 
-def r1v(inp: RewardInput, format_weight: float = 0.5) -> dict[str, float]:
+def r1v_reward(inp: RewardInput, format_weight: float = 0.5) -> dict[str, float]:
     """R1-V's reward: <think>..</think><answer>..</answer>, the answer equal to the ground truth.
 
     ground truth "3": "<think>count</think> <answer>3</answer>" -> overall 1.0; "<answer>3</answer>"
@@ -107,7 +107,7 @@ def r1v(inp: RewardInput, format_weight: float = 0.5) -> dict[str, float]:
     return {"overall": overall, "format": format_ok, "accuracy": accuracy}
 
 
-BUILTINS: dict[str, Callable[..., dict[str, float]]] = {"toy": toy, "math": math, "r1v": r1v}
+BUILTINS: dict[str, Callable[..., dict[str, float]]] = {"toy": toy_reward, "math": math_reward, "r1v": r1v_reward}
 
 _GRADING_TIMEOUT_S = 5  # per parse / per comparison; math_verify's alarm takes whole seconds
 

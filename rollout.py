@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from data import PromptItem
 from fsdp_utils import gathered, stream_full_weights
 
 
@@ -221,9 +222,9 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
         self.weights_version = version
 
-    def generate(self, prompts: list[dict], version: int, validation: bool = False,
+    def generate(self, prompts: list[PromptItem], version: int, validation: bool = False,
                  greedy: bool = False) -> list[list[Response]]:
-        """Sample responses for `prompts` (items of data.PromptDataset); one list of n responses per prompt.
+        """Sample responses for `prompts`; one list of n responses per prompt.
 
         `version` is the trainer's current step: generating from older weights is a bug, so it raises.
         validation: the val_* sampling settings; greedy: one response at temperature 0 (ReMax's baseline).
@@ -252,7 +253,7 @@ class VLLMRollout:
                  for o in out.outputs] for out in outputs]
 
 
-def _vllm_prompt(item: dict) -> dict:
+def _vllm_prompt(item: PromptItem) -> dict:
     """A vLLM prompt from a dataset item: token ids, plus the images when the row has some."""
     prompt = {"prompt_token_ids": item["prompt_ids"]}
     if item.get("images"):
@@ -308,7 +309,7 @@ class HFRollout:
         self.weights_version = version
 
     @torch.no_grad()
-    def generate(self, prompts: list[dict], version: int, validation: bool = False,
+    def generate(self, prompts: list[PromptItem], version: int, validation: bool = False,
                  greedy: bool = False) -> list[list[Response]]:
         """Same contract as VLLMRollout.generate (text prompts only)."""
         from transformers import GenerationConfig, LogitsProcessorList

@@ -9,12 +9,15 @@ Design decisions:
   around any tokenizer.json of a qwen2 model anyway), but with no merges and only the printable ASCII
   bytes: one token per character, plus Qwen's special tokens and chat template. A ~110-token vocabulary keeps the built-in task learnable
   from random weights within minutes: the right answer starts out with probability ~1/100, not 1/150k.
-- head_dim is 64 because vLLM's CPU attention rejects 16 (../shared/cpu-stack.md); hidden 128,
-  2 heads, 1 KV head, 2 layers: about 0.3M parameters.
+- head_dim is 64 because vLLM's CPU attention rejects 16 (vLLM 0.32: "Unsupported CPU attention
+  configuration"); hidden 128, 2 heads, 1 KV head, 2 layers: about 0.3M parameters.
+- `resolve_model` builds a `tiny:*` model on every node at start-up (nodes need not share a filesystem).
 - Qwen2 and Qwen3 tie the input and output embeddings (as Qwen2.5-0.5B..3B do), Llama does not, so
   the weight sync is exercised both ways.
 """
 
+import os
+import shutil
 import string
 from pathlib import Path
 
@@ -85,3 +88,23 @@ def build_tiny_model(architecture: str, path: str | Path, seed: int = 0) -> Path
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def resolve_model(model_path: str, output_dir: str) -> str:
+    """`tiny:ARCH` -> a tiny random model under output_dir/models, built on every node; else unchanged.
+
+    Nodes need not share a filesystem, so local rank 0 of each node builds it (deterministically), into a
+    private folder renamed into place: where nodes do share one, the first rename wins and the others find
+    the model there. Called before the process group exists (transformers' save_pretrained writes weights
+    on global rank 0 only once there is one); the caller's first barrier waits for it.
+    """
+    if not model_path.startswith("tiny:"):
+        return model_path
+    path = Path(output_dir) / "models" / f"tiny-{model_path.removeprefix('tiny:')}"
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (path / "config.json").exists():
+        tmp = build_tiny_model(model_path.removeprefix("tiny:"), path.with_name(f"{path.name}.tmp-{os.getpid()}"))
+        try:
+            tmp.rename(path)
+        except OSError:  # another node's copy got there first (shared filesystem)
+            shutil.rmtree(tmp)
+    return str(path)

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from fsdp_utils import init_distributed, load_sharded_model
-from grpo import (POLICY_LOSSES, Config, aggregate, backward_mini_batch, batched_logprobs, make_batch,
-                  reinforce_pp_advantages, response_logprobs, select, sum_over_ranks)
+from fsdp_utils import init_distributed, load_sharded_model, sum_over_ranks
+from grpo import (POLICY_LOSSES, AdvantageInputs, Config, aggregate, backward_mini_batch, batched_logprobs, make_batch,
+                  reinforce_pp_advantages, response_logprobs, select)
 from tiny import build_tiny_model
 
 
@@ -47,7 +47,9 @@ def main(loss_agg_mode: str, loss_type: str, out: str):
 
     # REINFORCE++: whitening over both ranks' tokens equals whitening of the whole batch in one place
     token_rewards = torch.randn(mask.shape, generator=g) * mask
-    whitened_mine = reinforce_pp_advantages(token_rewards[mine], mask[mine], 0.9, sum_over_ranks)
+    cfg.algorithm.gamma = 0.9
+    whitened_mine = reinforce_pp_advantages(AdvantageInputs(token_rewards[mine], mask[mine], 1, None, sum_over_ranks),
+                                            cfg.algorithm)
     pieces = [torch.zeros_like(whitened_mine) for _ in range(world)]
     dist.all_gather(pieces, whitened_mine)
 
@@ -55,12 +57,15 @@ def main(loss_agg_mode: str, loss_type: str, out: str):
         model = AutoModelForCausalLM.from_pretrained(path)
         logprobs = response_logprobs(model, batch, cfg.rollout.temperature)
         old = logprobs.detach() + shift
-        loss, _ = POLICY_LOSSES[loss_type](logprobs, old, advantages, mask, cfg.algorithm)
-        aggregate(loss, mask, loss_agg_mode, mask.sum(), 8, cfg.rollout.max_response_length).backward()
+        loss, _ = POLICY_LOSSES[loss_type](logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
+                                           cfg=cfg.algorithm)
+        aggregate(loss, mask, loss_agg_mode, global_tokens=mask.sum(), global_sequences=8,
+                  token_sum_norm=cfg.rollout.max_response_length).backward()
         single = dict(model.named_parameters())
         grad_diff = max((distributed[k] - single[k].grad).abs().max().item() for k in distributed)
         grad_scale = max(single[k].grad.abs().max().item() for k in distributed)
-        whitening_diff = (torch.cat(pieces) - reinforce_pp_advantages(token_rewards, mask, 0.9)).abs().max().item()
+        whole = reinforce_pp_advantages(AdvantageInputs(token_rewards, mask, 1), cfg.algorithm)
+        whitening_diff = (torch.cat(pieces) - whole).abs().max().item()
         with open(out, "w") as f:
             json.dump({"grad_diff": grad_diff, "grad_scale": grad_scale, "whitening_diff": whitening_diff}, f)
     dist.barrier()

@@ -7,25 +7,33 @@ import pytest
 import torch
 
 from conftest import torchrun
-from grpo import (AlgorithmConfig, adaptive_kl_coef, aggregate, batched_logprobs, cispo_loss, dr_grpo_advantages,
-                  grpo_advantages, grpo_passk_advantages, gspo_loss, gspo_token_loss, kl_penalty, make_batch,
-                  mixed_group, ppo_clip_loss, reinforce_pp_advantages, remax_advantages, rloo_advantages, sapo_loss)
+from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, aggregate, batched_logprobs,
+                  cispo_loss, dr_grpo_advantages, grpo_advantages, grpo_passk_advantages, gspo_loss, gspo_token_loss,
+                  kl_penalty, make_batch, keep_group, ppo_clip_loss, reinforce_pp_advantages, remax_advantages,
+                  rloo_advantages, sapo_loss, token_rewards)
+
+
+def outcome(estimator, scores: torch.Tensor, baselines=None) -> torch.Tensor:
+    """An outcome estimator on scores [G, n] (one token per response) -> advantages [G, n]."""
+    G, n = scores.shape
+    inputs = AdvantageInputs(scores.reshape(-1, 1), torch.ones(G * n, 1), n, baselines)
+    return estimator(inputs, AlgorithmConfig()).view(G, n)
 
 
 def test_grpo_advantages_by_hand():
     # one row per prompt: the n responses of its group
-    adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    adv = outcome(grpo_advantages, torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
     # mean 0.5, Bessel std sqrt(1/3) = 0.57735 -> +-0.5 / 0.57735 = +-0.866025
     torch.testing.assert_close(adv, torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025]]), atol=1e-5, rtol=0)
     # group 0: all equal -> 0; group 1: mean 2, std sqrt(2) -> +-1 / 1.414214 = +-0.707107
-    adv = grpo_advantages(torch.tensor([[2.0, 2.0], [3.0, 1.0]]))
+    adv = outcome(grpo_advantages, torch.tensor([[2.0, 2.0], [3.0, 1.0]]))
     torch.testing.assert_close(adv, torch.tensor([[0.0, 0.0], [0.707107, -0.707107]]), atol=1e-5, rtol=0)
 
 
 def test_grpo_needs_two_responses_per_prompt():
     for estimator in (grpo_advantages, dr_grpo_advantages, grpo_passk_advantages, rloo_advantages):
         with pytest.raises(ValueError, match="--rollout.n"):
-            estimator(torch.tensor([[1.0], [0.0]]))
+            outcome(estimator, torch.tensor([[1.0], [0.0]]))
 
 
 def test_ppo_clip_loss_both_clips_and_dual_clip():
@@ -35,7 +43,7 @@ def test_ppo_clip_loss_both_clips_and_dual_clip():
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -2.0]])
     mask = torch.ones(1, 5)
     cfg = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_dual=3.0)
-    loss, stats = ppo_clip_loss(new, old, adv, mask, cfg)
+    loss, stats = ppo_clip_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=mask, cfg=cfg)
     expected = [
         -1.3,                  # ratio 1.6487 clipped at 1 + 0.3
         -math.exp(-0.5),       # ratio 0.6065 with A > 0: the lower clip does not bind (max picks -0.6065)
@@ -67,10 +75,11 @@ def test_kl_estimators_by_hand():
 def test_aggregation_by_hand():
     loss = torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    assert aggregate(loss, mask, "token-mean", global_tokens=3, global_sequences=2).item() == pytest.approx(7 / 3)
-    assert aggregate(loss, mask, "seq-mean-token-mean", global_tokens=3, global_sequences=2).item() == pytest.approx(2.75)
+    counts = dict(global_tokens=3, global_sequences=2, token_sum_norm=4)
+    assert aggregate(loss, mask, "token-mean", **counts).item() == pytest.approx(7 / 3)
+    assert aggregate(loss, mask, "seq-mean-token-mean", **counts).item() == pytest.approx(2.75)
     # a micro-batch's share uses the global counts: two halves add up to the whole
-    halves = [aggregate(loss[i : i + 1], mask[i : i + 1], "token-mean", 3, 2) for i in range(2)]
+    halves = [aggregate(loss[i : i + 1], mask[i : i + 1], "token-mean", **counts) for i in range(2)]
     assert sum(h.item() for h in halves) == pytest.approx(7 / 3)
 
 
@@ -108,17 +117,17 @@ def test_rloo_dr_grpo_passk_remax_by_hand():
     scores = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 0.0, 0.5]])  # [G, n]
     # RLOO, group 0: 1 - (2 - 1)/3 = 0.6667, 0 - 2/3 = -0.6667; group 1 (sum 4.5): 3 - 1.5/3 = 2.5,
     # 1 - 3.5/3 = -0.1667, 0 - 4.5/3 = -1.5, 0.5 - 4/3 = -0.8333
-    torch.testing.assert_close(rloo_advantages(scores),
+    torch.testing.assert_close(outcome(rloo_advantages, scores),
                                torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [2.5, -1 / 6, -1.5, -5 / 6]]))
     # Dr. GRPO: minus the group mean only (0.5 and 1.125)
-    torch.testing.assert_close(dr_grpo_advantages(scores),
+    torch.testing.assert_close(outcome(dr_grpo_advantages, scores),
                                torch.tensor([[0.5, -0.5, -0.5, 0.5], [1.875, -0.125, -1.125, -0.625]]))
     # pass@k, group 1: best 3, second 1, std of [3, 1, 0, .5] = 1.314978 -> 2 / 1.314978 = 1.520938 on the best only;
     # group 0 has a tie at the top: (1 - 1) / std = 0
-    passk = grpo_passk_advantages(scores)
+    passk = outcome(grpo_passk_advantages, scores)
     torch.testing.assert_close(passk, torch.tensor([[0.0, 0, 0, 0], [1.520938, 0, 0, 0]]), atol=1e-5, rtol=0)
     # ReMax: one greedy baseline per group
-    torch.testing.assert_close(remax_advantages(torch.tensor([[1.0, 0.0], [0.2, 0.4]]), torch.tensor([0.5, 0.0])),
+    torch.testing.assert_close(outcome(remax_advantages, torch.tensor([[1.0, 0.0], [0.2, 0.4]]), torch.tensor([0.5, 0.0])),
                                torch.tensor([[0.5, -0.5], [0.2, 0.4]]))
 
 
@@ -127,7 +136,7 @@ def test_reinforce_pp_returns_and_global_whitening_by_hand():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     # gamma 0.5: row 0 returns [0.25, 0.5, 1]; row 1 (pad at t=2) [0.5 - 0.5, -1, 0] = [0, -1, 0]
     # valid returns [0.25, 0.5, 1, 0, -1]: mean 0.15, squared deviations sum 2.2, Bessel var 2.2 / 4 = 0.55 -> A = (G - 0.15) / 0.741620
-    adv = reinforce_pp_advantages(token_rewards, mask, gamma=0.5)
+    adv = reinforce_pp_advantages(AdvantageInputs(token_rewards, mask, n=1), AlgorithmConfig(gamma=0.5))
     expected = (torch.tensor([[0.25, 0.5, 1.0], [0.0, -1.0, 0.15]]) - 0.15) / math.sqrt(0.55 + 1e-8) * mask
     torch.testing.assert_close(adv, expected)
 
@@ -138,7 +147,7 @@ def test_gspo_uses_one_ratio_per_sequence():
     new = torch.tensor([[0.1, 0.3, 9.0], [1e-4, 1e-4, 1e-4]], requires_grad=True)  # [0, 2] is padding
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     adv = torch.tensor([[1.0] * 3, [1.0] * 3])
-    loss, stats = gspo_loss(new, old, adv, mask, cfg)
+    loss, stats = gspo_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=mask, cfg=cfg)
     # row 0: s = mean(0.1, 0.3) = 0.2 -> r = e^0.2 = 1.2214 > 1 + 4e-4: every token clipped at -1.0004
     # row 1: s = 1e-4 -> r = 1.0001, inside the range: -r on every token
     torch.testing.assert_close(loss.detach(), torch.tensor([[-1.0004] * 3, [-math.exp(1e-4)] * 3]))
@@ -155,7 +164,7 @@ def test_gspo_token_has_the_sequence_value_and_a_per_token_gradient():
     new = torch.tensor([[0.0, 0.2]], requires_grad=True)
     mask = torch.ones(1, 2)
     adv = torch.tensor([[1.0, -2.0]])  # per-token advantages make the per-token gradient visible
-    loss, _ = gspo_token_loss(new, old, adv, mask, cfg)
+    loss, _ = gspo_token_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=mask, cfg=cfg)
     s = 0.1  # sequence log-ratio: value exp(0.1) on both tokens
     torch.testing.assert_close(loss.detach(), torch.tensor([[-math.exp(s), 2 * math.exp(s)]]))
     loss.sum().backward()
@@ -168,7 +177,7 @@ def test_cispo_weight_is_clipped_and_detached():
     old = torch.zeros(1, 3)
     new = torch.tensor([[math.log(6.0), math.log(0.5), 0.0]], requires_grad=True)
     adv = torch.tensor([[1.0, 1.0, -1.0]])
-    loss, stats = cispo_loss(new, old, adv, torch.ones(1, 3), cfg)
+    loss, stats = cispo_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=torch.ones(1, 3), cfg=cfg)
     # weights: r = 6 -> clipped to 5; r = 0.5 -> clipped up to 1 (lower bound 1 - 0); r = 1 -> 1
     torch.testing.assert_close(loss.detach(), torch.tensor([[-5 * math.log(6.0), -math.log(0.5), 0.0]]))
     assert stats["actor/clipfrac_higher"].tolist() == [[1, 0, 0]] and stats["actor/clipfrac_lower"].tolist() == [[0, 1, 0]]
@@ -181,7 +190,7 @@ def test_sapo_soft_gate():
     old = torch.zeros(1, 2)
     new = torch.zeros(1, 2, requires_grad=True)
     adv = torch.tensor([[1.0, -1.0]])
-    loss, _ = sapo_loss(new, old, adv, torch.ones(1, 2), AlgorithmConfig())
+    loss, _ = sapo_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=torch.ones(1, 2), cfg=AlgorithmConfig())
     # r = 1: L = -A (4 / tau) sigmoid(0) = -2A / tau: tau 1 for A > 0, 1.05 for A < 0
     torch.testing.assert_close(loss.detach(), torch.tensor([[-2.0, 2 / 1.05]]))
     loss.sum().backward()
@@ -189,20 +198,62 @@ def test_sapo_soft_gate():
     torch.testing.assert_close(new.grad, torch.tensor([[-1.0, 1.0]]))
 
 
-def test_seq_mean_token_sum_and_adaptive_kl_by_hand():
+def test_seq_mean_token_sum_by_hand():
     loss = torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     # (1 + 2 + 4) / (2 sequences x 4) = 0.875
-    assert aggregate(loss, mask, "seq-mean-token-sum", 3, 2, token_sum_norm=4).item() == pytest.approx(0.875)
-    assert adaptive_kl_coef(0.1, kl=0.2, target=0.1, horizon=1000, batch_size=100) == pytest.approx(0.102)
-    assert adaptive_kl_coef(0.1, kl=0.09, target=0.1, horizon=1000, batch_size=100) == pytest.approx(0.1 * (1 - 0.01))
+    assert aggregate(loss, mask, "seq-mean-token-sum", global_tokens=3, global_sequences=2,
+                     token_sum_norm=4).item() == pytest.approx(0.875)
 
 
-def test_dynamic_sampling_keeps_only_mixed_groups():
+def test_token_rewards_fixed_and_adaptive_kl_by_hand():
+    scores, mask = torch.tensor([1.0, 0.5]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    old, ref = torch.tensor([[-1.0, -1.0, -9.0], [-2.0, -9.0, -9.0]]), torch.tensor([[-1.2, -1.4, 0.0], [-2.0, 0.0, 0.0]])
+    # no KL in the reward: the score on the last valid token, zero elsewhere (padding included)
+    rewards, coef = token_rewards(scores, mask, old, ref, AlgorithmConfig(), kl_coef=0.1)
+    assert rewards.tolist() == [[0.0, 1.0, 0.0], [0.5, 0.0, 0.0]] and coef == 0.1
+    # fixed KL in the reward (k1): row 0 pays 0.1 x [0.2, 0.4] -> [-0.02, 1 - 0.04]; row 1 pays 0; padding untouched
+    fixed = AlgorithmConfig(use_kl_loss=False, use_kl_in_reward=True, kl_penalty="kl")
+    rewards, coef = token_rewards(scores, mask, old, ref, fixed, kl_coef=0.1)
+    torch.testing.assert_close(rewards, torch.tensor([[-0.02, 0.96, 0.0], [0.5, 0.0, 0.0]]))
+    assert coef == 0.1
+    # adaptive: KL per token (0.2 + 0.4 + 0) / 3 = 0.2 against target 0.1: error clipped to +0.2; B = 2 responses,
+    # horizon 10 -> 0.1 x (1 + 0.2 x 2 / 10) = 0.104; the rewards of this step still use 0.1
+    adaptive = AlgorithmConfig(use_kl_loss=False, use_kl_in_reward=True, kl_penalty="kl", kl_type="adaptive",
+                               kl_target=0.1, kl_horizon=10)
+    rewards_adaptive, coef = token_rewards(scores, mask, old, ref, adaptive, kl_coef=0.1)
+    torch.testing.assert_close(rewards_adaptive, rewards)
+    assert coef == pytest.approx(0.104)
+    # below target: KL 0.2 against 0.25 -> error -0.2 (0.8 - 1) -> 0.1 x (1 - 0.2 x 2 / 10) = 0.096
+    adaptive.kl_target = 0.25
+    assert token_rewards(scores, mask, old, ref, adaptive, kl_coef=0.1)[1] == pytest.approx(0.096)
+    # over all ranks: sums are all-reduced (two identical ranks: KL and B doubled-and-halved -> B = 4)
+    doubled = token_rewards(scores, mask, old, ref, adaptive, kl_coef=0.1, sum_over_ranks=lambda x: 2 * x)[1]
+    assert doubled == pytest.approx(0.1 * (1 - 0.2 * 4 / 10))
+
+
+def test_every_registered_algorithm_has_a_preset_and_unknown_names_are_refused():
+    """Adding an algorithm = one registered function + one preset + one test: the registries are the only list."""
+    import yaml
+
+    from conftest import ROOT
+    from grpo import Config, check_config
+
+    presets = [yaml.safe_load(p.read_text()).get("algorithm", {}) for p in (ROOT / "configs").glob("*.yaml")]
+    assert set(ADVANTAGE_ESTIMATORS) <= {p.get("adv_estimator", "grpo") for p in presets}
+    assert set(POLICY_LOSSES) <= {p.get("loss_type", "ppo_clip") for p in presets}
+    cfg = Config()
+    cfg.algorithm.adv_estimator, cfg.algorithm.loss_type = "nope", "nada"
+    with pytest.raises(SystemExit, match=r"adv-estimator 'nope': choose one of \['dr_grpo', 'grpo'") as error:
+        check_config(cfg, world_size=1)
+    assert "--algorithm.loss-type 'nada'" in str(error.value)
+
+
+def test_dynamic_sampling_keeps_only_keep_groups():
     group_scores = [[{"acc": 0.0}] * 4, [{"acc": 1.0}] * 4, [{"acc": 1.0}, {"acc": 0.0}, {"acc": 0.0}, {"acc": 0.0}]]
-    assert [mixed_group(g, "acc", 0.01, 0.99) for g in group_scores] == [False, False, True]
+    assert [keep_group(g, "acc", 0.01, 0.99) for g in group_scores] == [False, False, True]
     with pytest.raises(KeyError, match="--algorithm.filter-key"):
-        mixed_group([{"overall": 1.0}], "acc", 0.01, 0.99)
+        keep_group([{"overall": 1.0}], "acc", 0.01, 0.99)
 
 
 @pytest.mark.parametrize("loss_agg_mode, loss_type", [("token-mean", "ppo_clip"), ("seq-mean-token-mean", "gspo"),

@@ -19,9 +19,9 @@ import torch.distributed as dist
 import grpo
 from conftest import ROOT, free_port
 from fsdp_utils import all_reduce, sum_over_ranks, to_floats
-from grpo import (POLICY_LOSSES, AlgorithmConfig, Config, aggregate, backward_mini_batch, batched_logprobs,
-                  compute_advantages, kl_penalty, logprob_metrics, make_batch, outcome_on_last_token,
-                  response_logprobs, score_metrics)
+from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, Config, Group, aggregate,
+                  backward_mini_batch, batched_logprobs, kl_penalty, logprob_metrics, make_batch, response_logprobs,
+                  score_metrics, token_rewards)
 
 DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_object")
@@ -90,14 +90,17 @@ def test_batch_and_logprobs_stay_on_the_device(device):
     assert_on(device, logprobs, batched_logprobs(model, batch, 0.7, micro_batch_size=3))
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "grpo_passk", "rloo", "remax", "reinforce_plus_plus"])
+@pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
 def test_token_rewards_and_every_estimator_stay_on_the_device(device, estimator):
     mask = rollout_batch(device)["response_mask"]
-    token_rewards = outcome_on_last_token(torch.tensor([1.0, 0.0, 0.5, 0.5], device=device), mask)
+    old, ref = torch.randn(mask.shape, device=device), torch.randn(mask.shape, device=device)
+    kl_in_reward = AlgorithmConfig(use_kl_loss=False, use_kl_in_reward=True)  # adaptive needs the host: GPU only
+    rewards, _ = token_rewards(torch.tensor([1.0, 0.0, 0.5, 0.5], device=device), mask, old, ref, kl_in_reward, 0.1)
     baselines = torch.tensor([0.5, 0.0], device=device)  # [G]
-    advantages = compute_advantages(estimator, token_rewards, mask, 2, baselines, 1.0, sum_over_ranks)
+    advantages = ADVANTAGE_ESTIMATORS[estimator](AdvantageInputs(rewards, mask, 2, baselines, sum_over_ranks),
+                                                 AlgorithmConfig())
     assert advantages.shape == mask.shape
-    assert_on(device, token_rewards, advantages)
+    assert_on(device, rewards, advantages)
 
 
 @pytest.mark.parametrize("loss_type", sorted(POLICY_LOSSES))
@@ -105,10 +108,13 @@ def test_token_rewards_and_every_estimator_stay_on_the_device(device, estimator)
 def test_every_loss_kl_and_aggregation_stay_on_the_device(device, loss_type, mode):
     mask = rollout_batch(device)["response_mask"]
     logprobs, old, ref, advantages = (torch.randn(mask.shape, device=device) for _ in range(4))
-    loss, stats = POLICY_LOSSES[loss_type](logprobs, old, advantages, mask, AlgorithmConfig())
+    loss, stats = POLICY_LOSSES[loss_type](logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
+                                           cfg=AlgorithmConfig())
     counts = all_reduce({"tokens": mask.sum(), "sequences": mask.shape[0]}, device)
     kls = [kl_penalty(logprobs, ref, kind) for kind in ("kl", "abs", "mse", "low_var_kl")]
-    assert_on(device, loss, *stats.values(), *kls, aggregate(loss, mask, mode, counts["tokens"], counts["sequences"], 4.0))
+    aggregated = aggregate(loss, mask, mode, global_tokens=counts["tokens"], global_sequences=counts["sequences"],
+                           token_sum_norm=4.0)
+    assert_on(device, loss, *stats.values(), *kls, aggregated)
 
 
 def test_update_and_metrics_stay_on_the_device(device):
@@ -122,8 +128,8 @@ def test_update_and_metrics_stay_on_the_device(device):
     assert_on(device, *sums.values(), *(p.grad for p in model.parameters()))
     metrics = logprob_metrics(batch, old, old - 0.1)
     responses = [SimpleNamespace(token_ids=[9, 2], truncated=False), SimpleNamespace(token_ids=[3] * 4, truncated=True)]
-    metrics.update(score_metrics("train", [{"overall": 1.0, "accuracy": 1.0}, {"overall": 0.0, "accuracy": 0.0}],
-                                 responses, device))
+    groups = [Group({}, responses, [{"overall": 1.0, "accuracy": 1.0}, {"overall": 0.0, "accuracy": 0.0}])]
+    metrics.update(score_metrics("train", groups, device))
     assert_on(device, *metrics.values())
     if device.type != "meta":  # meta holds no numbers; elsewhere they reach the host in one copy
         floats = to_floats(metrics)

@@ -136,16 +136,17 @@ def test_command_line_prints_the_table_for_a_config_folder(tmp_path, monkeypatch
 
 
 def test_the_trainer_passes_its_flags_to_the_check(tmp_path):
-    """grpo.check_gpu_memory (called at start-up on GPU) maps the run's flags onto the estimate."""
-    from grpo import Config, check_gpu_memory
+    """check_run_memory (called by grpo.py at start-up on GPU) maps the run's flags onto the estimate."""
+    from grpo import Config
+    from memory import check_run_memory
 
     QWEN_7B.save_pretrained(tmp_path)
     cfg = Config()
     cfg.actor.micro_batch_size, cfg.data.max_prompt_length, cfg.rollout.max_response_length = 4, 1024, 1024
     with pytest.raises(SystemExit, match="training phase does not fit"):
-        check_gpu_memory(cfg, str(tmp_path), world_size=1, gpu_bytes=GPU_80GB)
+        check_run_memory(cfg, str(tmp_path), world_size=1, gpu_bytes=GPU_80GB)
     cfg.algorithm.use_kl_loss, cfg.rollout.engine = False, "hf"
-    estimate = check_gpu_memory(cfg, str(tmp_path), world_size=64, gpu_bytes=GPU_80GB)
+    estimate = check_run_memory(cfg, str(tmp_path), world_size=64, gpu_bytes=GPU_80GB)
     assert REFERENCE not in estimate.training and VLLM not in estimate.rollout and estimate.vllm_needs == 0
     expected = estimate_memory(QWEN_7B, world_size=64, gpu_bytes=GPU_80GB, kl=False, micro_batch_size=4,
                                max_seq_len=2048, gradient_checkpointing=False, engine="hf")

@@ -6,7 +6,7 @@ import threading
 import pytest
 import tyro
 
-from rewards import RewardConfig, RewardError, RewardFunction, math, overlong_penalty, r1v, toy
+from rewards import RewardConfig, RewardError, RewardFunction, math_reward, overlong_penalty, r1v_reward, toy_reward
 
 
 def sample(response: str, ground_truth="7") -> dict:
@@ -31,7 +31,7 @@ def scores(function: str, responses: list[str], ground_truth="7", **config) -> l
     ("", 0.0, 0.0, 0.0),
 ])
 def test_toy(response, accuracy, concise, overall):
-    assert toy(sample(response, "7")) == {"overall": overall, "accuracy": accuracy, "concise": concise}
+    assert toy_reward(sample(response, "7")) == {"overall": overall, "accuracy": accuracy, "concise": concise}
 
 
 @pytest.mark.parametrize("response, format_, accuracy, overall", [
@@ -43,7 +43,7 @@ def test_toy(response, accuracy, concise, overall):
     ("<think>3 + 4</think> \\boxed{7", 0.0, 0.0, 0.0),  # cut off mid-box
 ])
 def test_math(response, format_, accuracy, overall):
-    result = math(sample(response, "7"))
+    result = math_reward(sample(response, "7"))
     assert result == {"overall": pytest.approx(overall), "format": format_, "accuracy": accuracy}
 
 
@@ -54,13 +54,13 @@ def test_math(response, format_, accuracy, overall):
 ])
 def test_math_grades_equivalent_answers(boxed, ground_truth):
     response = f"<think>...</think> \\boxed{{{boxed}}}"
-    assert math(sample(response, ground_truth)) == {"overall": 1.0, "format": 1.0, "accuracy": 1.0}
+    assert math_reward(sample(response, ground_truth)) == {"overall": 1.0, "format": 1.0, "accuracy": 1.0}
 
 
 @pytest.mark.parametrize("boxed", ["\\frac{1}{3}", "0.49", "", "\\frac{", "}}{{\\left(", "a" * 500])
 def test_math_wrong_or_garbage_answers_score_zero(boxed):
     response = f"<think>...</think> \\boxed{{{boxed}}}"
-    assert math(sample(response, "1/2"))["accuracy"] == 0.0
+    assert math_reward(sample(response, "1/2"))["accuracy"] == 0.0
 
 
 def test_math_format_weight_kwarg():
@@ -72,7 +72,7 @@ def test_math_format_weight_kwarg():
 def test_math_grading_works_outside_the_main_thread():
     # math_verify's signal-based timeout raises in other threads; we must grade there without one
     results = []
-    thread = threading.Thread(target=lambda: results.append(math(sample("<think></think>\\boxed{0.5}", "1/2"))))
+    thread = threading.Thread(target=lambda: results.append(math_reward(sample("<think></think>\\boxed{0.5}", "1/2"))))
     thread.start()
     thread.join()
     assert results == [{"overall": 1.0, "format": 1.0, "accuracy": 1.0}]
@@ -89,12 +89,12 @@ def test_math_grading_works_outside_the_main_thread():
     ("", 0.0, 0.0, 0.0),
 ])
 def test_r1v(response, format_, accuracy, overall):
-    assert r1v(sample(response, "3")) == {"overall": overall, "format": format_, "accuracy": accuracy}
+    assert r1v_reward(sample(response, "3")) == {"overall": overall, "format": format_, "accuracy": accuracy}
 
 
 def test_r1v_non_numeric_answer_compared_as_string():
-    assert r1v(sample("<think>look</think><answer>cat</answer>", "cat"))["accuracy"] == 1.0
-    assert r1v(sample("<think>look</think><answer>dog</answer>", "cat"))["accuracy"] == 0.0
+    assert r1v_reward(sample("<think>look</think><answer>cat</answer>", "cat"))["accuracy"] == 1.0
+    assert r1v_reward(sample("<think>look</think><answer>dog</answer>", "cat"))["accuracy"] == 0.0
 
 
 def test_builtins_through_reward_function_return_floats_with_fixed_keys():
