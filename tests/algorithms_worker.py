@@ -7,6 +7,7 @@ global whitening is checked the same way.
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -74,3 +75,7 @@ def main(loss_agg_mode: str, loss_type: str, out: str):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    # Everything is written and the group destroyed. Seen here (torch 2.13 CPU, gloo): in roughly 1 run in 10
+    # the interpreter's own teardown then aborted rank 1 ("terminate called without an active exception",
+    # no Python frame left), failing a finished test; leave without that teardown.
+    os._exit(0)
