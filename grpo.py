@@ -5,9 +5,12 @@ Run the built-in demo (tiny model, synthetic task, CPU or GPU, no downloads):
 A preset from configs/ plus flag overrides (every config field is a flag, see --help):
     torchrun --nproc_per_node 8 grpo.py math --actor.model-path Qwen/Qwen2.5-1.5B-Instruct
 
+Launched again, it resumes from the run folder's latest checkpoint (checkpoints.py).
+
 One training step:
     generate (vLLM) -> rewards -> old/ref log-probs -> advantages -> PPO epochs x mini-batches x
-    micro-batches (loss, backward), clip, optimizer step -> LR step -> sync weights into vLLM -> log
+    micro-batches (loss, backward), clip, optimizer step -> LR step -> sync weights into vLLM -> validate,
+    log (trackers.py) -> save a checkpoint
 Design decisions:
 - The algorithm is a handful of pure tensor functions (ALGORITHM banner) registered by name; the rest is
   plumbing. Semantics follow EasyR1 (its 0.3.x line); deviations are stated where made and in the README.
@@ -22,11 +25,9 @@ import dataclasses
 import json
 import math
 import os
-import resource
 import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -38,12 +39,16 @@ import tyro
 import yaml
 from torch.distributed.tensor import DTensor
 
+from checkpoints import agree_on_resume_point, load_checkpoint, prepare_run_folder, save_checkpoint
+from console import parse_quietly, quiet_libraries, run
 from data import DataConfig, PromptDataset, PromptItem, PromptLoader, load_rows, shard
 from fsdp_utils import all_reduce, init_distributed, load_sharded_model, save_hf_model, sum_over_ranks, to_floats
 from memory import check_run_memory
+from metrics import PhaseTimer, logprob_metrics, peak_memory_gib, score_metrics, step_line
 from rewards import RewardConfig, RewardFunction, RewardInput
 from rollout import Response, RolloutConfig, build_rollout, vllm_environment
 from tiny import resolve_model
+from trackers import Trackers, check_loggers
 
 
 @dataclass
@@ -132,12 +137,28 @@ class TrainerConfig:
     """Validate every this many steps (and after the last); 0: never."""
     val_before_train: bool = True
     """Validate once before the first step."""
+    save_freq: int = 20
+    """Save a checkpoint (model, optimizer, scheduler, RNG, data position) every this many steps and after the last; 0: never."""
+    save_limit: int = 3
+    """Keep the newest this many checkpoints, plus the best by --trainer.best-metric; 0: keep all."""
+    save_model_only: bool = False
+    """Checkpoints without the optimizer state (a third of the size; a resume restarts AdamW's moments)."""
+    best_metric: str = "val/reward_overall"
+    """Metric (higher is better) that ranks checkpoints saved at validating steps, for --trainer.resume best and the save limit."""
+    resume: str = "auto"
+    """auto: continue from the run folder's latest checkpoint if it has one; never; best; or a checkpoint folder's path."""
     save_final: bool = True
     """Save the trained model as a Hugging Face folder in the run folder at the end."""
     output_dir: str = "runs"
     """Parent folder of run folders (and of the tiny models built for `tiny:*`)."""
+    project_name: str = "grpo"
+    """Project name in the trackers (wandb, swanlab, mlflow experiment)."""
     experiment_name: str = "toy-grpo"
-    """Run folder name: metrics.jsonl and the final model go to output_dir/experiment_name."""
+    """Run folder name (output_dir/experiment_name) and the run's name in the trackers."""
+    logger: tuple[str, ...] = ("console", "jsonl")
+    """Where metrics go, several at once: console jsonl tensorboard wandb swanlab mlflow (trackers.py)."""
+    verbose: bool = False
+    """Show the libraries' logs, warnings and progress bars from every rank (hidden by default; console.py)."""
     seed: int = 1
     """Seed of the model-side randomness (data order and sampling have their own seeds)."""
     dist_timeout_minutes: float = 30.0
@@ -454,25 +475,6 @@ class Group:
     baseline: float | None = None
 
 
-class PhaseTimer:
-    """Seconds per phase of a step, as `timing/<phase>` metrics; GPU work is waited for at each phase's end.
-
-        with timer("update"): ...     # adds to timing/update (a phase entered twice adds up)
-    """
-
-    def __init__(self, device: torch.device):
-        self.device, self.seconds = device, {}
-
-    @contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        key = f"timing/{phase}"
-        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
-
-
 def score_groups(reward_fn: RewardFunction, tokenizer, items: list[PromptItem],
                  responses: list[list[Response]]) -> list[Group]:
     """Each prompt's responses scored by the reward function (one call for the whole batch)."""
@@ -509,10 +511,10 @@ def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: C
         if not algo.online_filtering or all_reduce({"kept": len(kept)}, device, dist.ReduceOp.MIN)["kept"] >= quota:
             break
     else:
-        raise RuntimeError(
+        raise SystemExit(
             f"dynamic sampling: after {algo.max_sampling_rounds} rounds some rank kept fewer than {quota} groups "
-            f"with {algo.filter_low} < mean {algo.filter_key} < {algo.filter_high} (this rank: {len(kept)}). "
-            "Raise --algorithm.max-sampling-rounds, widen the bounds, or pick an easier start (model, data).")
+            f"with {algo.filter_low} < mean {algo.filter_key} < {algo.filter_high}. Raise "
+            "--algorithm.max-sampling-rounds, widen the bounds, or pick an easier start (model, data).")
     kept = kept[:quota]
     totals = all_reduce({"kept": len(kept), "generated": generated}, device)
     return kept, {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": totals["kept"] / totals["generated"]}
@@ -630,55 +632,13 @@ def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, adv
     return metrics
 
 
-def logprob_metrics(batch: dict, old_logprobs, ref_logprobs) -> dict[str, torch.Tensor]:
-    """The engine-vs-trainer gap on the sampled tokens (a stale or mis-synced engine shows up here), the
-    entropy proxy and the k1 KL to the reference, over all ranks.
-
-    The entropy proxy is the mean -log p of the sampled tokens under the policy that sampled them (the old
-    log-probs); the reference logs it from the log-probs of the update, which differ after the first
-    optimizer step of a batch.
-    """
-    mask = batch["response_mask"]
-    diff = (old_logprobs - batch["rollout_logprobs"]) * mask  # [B, R]
-    kl = ((old_logprobs - ref_logprobs) * mask).sum() if ref_logprobs is not None else 0.0
-    sums = all_reduce({"tokens": mask.sum(), "gap": diff.abs().sum(), "ratio": (diff.clamp(-20, 20).exp() * mask).sum(),
-                       "entropy": (-old_logprobs * mask).sum(), "kl": kl}, mask.device)
-    tokens = sums["tokens"]
-    return {"rollout/logprob_diff_mean": sums["gap"] / tokens, "rollout/is_ratio_mean": sums["ratio"] / tokens,
-            "rollout/logprob_diff_max": all_reduce({"max": diff.abs().max()}, mask.device, dist.ReduceOp.MAX)["max"],
-            "actor/entropy_proxy": sums["entropy"] / tokens, "actor/kl_ref": sums["kl"] / tokens}
-
-
-def score_metrics(prefix: str, groups: list[Group], device: torch.device) -> dict[str, torch.Tensor]:
-    """Mean/std of every reward key and response-length stats over all ranks."""
-    scores = [s for g in groups for s in g.scores]
-    responses = [r for g in groups for r in g.responses]
-    keys = sorted(scores[0]) if scores else []
-    lengths = [len(r.token_ids) for r in responses]
-    sums = {"count": len(scores), "length": sum(lengths), "truncated": sum(r.truncated for r in responses)}
-    for key in keys:  # prefixed: a reward key may be called "length" too
-        sums[f"reward {key}"], sums[f"reward {key}^2"] = sum(s[key] for s in scores), sum(s[key] ** 2 for s in scores)
-    totals = all_reduce(sums, device)
-    count = totals["count"].clamp(min=1)
-    metrics = {f"{prefix}/response_length_mean": totals["length"] / count, f"{prefix}/clip_ratio": totals["truncated"] / count,
-               f"{prefix}/response_length_max": all_reduce({"max": max(lengths, default=0)}, device, dist.ReduceOp.MAX)["max"]}
-    for key in keys:
-        mean = totals[f"reward {key}"] / count
-        metrics[f"{prefix}/reward_{key}"] = mean
-        metrics[f"{prefix}/reward_{key}_std"] = (totals[f"reward {key}^2"] / count - mean**2).clamp(min=0).sqrt()
-    return metrics
-
-
-def validate(rollout, val_items, step, tokenizer, reward_fn, run_dir: Path, device: torch.device) -> dict:
+def validate(rollout, val_items, step, tokenizer, reward_fn, device: torch.device) -> tuple[dict, list[dict]]:
+    """Validation metrics over all ranks, and a few of this rank's samples for the trackers' tables."""
     groups = score_groups(reward_fn, tokenizer, val_items, rollout.generate(val_items, step, validation=True))
-    if dist.get_rank() == 0:
-        samples = [(g.item, r, s) for g in groups for r, s in zip(g.responses, g.scores)][:4]
-        with open(run_dir / "generations.jsonl", "a") as f:
-            for item, response, sample_scores in samples:
-                f.write(json.dumps({"step": step, "prompt": item["prompt"], "ground_truth": str(item["ground_truth"]),
-                                    "response": tokenizer.decode(response.token_ids, skip_special_tokens=True),
-                                    "score": sample_scores}) + "\n")
-    return score_metrics("val", groups, device)
+    samples = [{"prompt": g.item["prompt"], "response": tokenizer.decode(r.token_ids, skip_special_tokens=True),
+                "ground_truth": str(g.item["ground_truth"]), "score": s}
+               for g in groups for r, s in zip(g.responses, g.scores)][:4]
+    return score_metrics("val", groups, device), samples
 
 
 def lr_lambda(actor: ActorConfig, total_steps: int):
@@ -690,12 +650,6 @@ def lr_lambda(actor: ActorConfig, total_steps: int):
         progress = (step - actor.warmup_steps) / max(1, total_steps - actor.warmup_steps)
         return actor.min_lr_ratio + (1 - actor.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return factor
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 def check_config(cfg: Config, world_size: int) -> None:
@@ -736,21 +690,23 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def main(cfg: Config) -> None:
+    quiet_libraries(cfg.trainer.verbose)
     vllm_environment()
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from transformers import AutoTokenizer
 
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    check_loggers(list(cfg.trainer.logger))
     model_path = resolve_model(cfg.actor.model_path, cfg.trainer.output_dir)
     rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes)
     dist.barrier()  # every node's tiny model is written
     torch.manual_seed(cfg.trainer.seed)
     console = Console(quiet=rank != 0, soft_wrap=True)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
+    start = agree_on_resume_point(run_dir, cfg.trainer.resume)  # None: a fresh run
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+        prepare_run_folder(run_dir, dataclasses.asdict(cfg), start, say=console.print)
 
     # ---- data, reward, models, engine ------------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -778,18 +734,31 @@ def main(cfg: Config) -> None:
     rollout = build_rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                             device, actor)
     kl_coef = algo.kl_coef  # the KL-in-reward coefficient; token_rewards() returns the next one (adaptive KL)
+    first_step = 1
+    if start is not None:  # everything a step depends on, as it was after the checkpoint's step
+        state = load_checkpoint(start, actor, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        loader.load_state_dict(state["loader"])
+        kl_coef, first_step = state["kl_coef"], state["step"] + 1
+        rollout.sync_weights(actor, version=state["step"])  # the engine holds the resumed weights before rolling out
+        console.print(f"resumed from {start} (step {state['step']}"
+                      + (", model only: AdamW restarts from zero moments)" if state["model_only"] else ")"))
+    trackers = Trackers(list(cfg.trainer.logger) if rank == 0 else [], run_dir, dataclasses.asdict(cfg),
+                        cfg.trainer.project_name, cfg.trainer.experiment_name, resume_step=first_step - 1)
 
     history: list[dict] = []
     start_time = time.perf_counter()
-    if val_items and cfg.trainer.val_before_train:
-        console.print("validation before training: " + json.dumps(
-            {k: round(v, 4) for k, v in to_floats(validate(rollout, val_items, 0, tokenizer, reward_fn, run_dir,
-                                                            device)).items()}))
+    if val_items and cfg.trainer.val_before_train and start is None:
+        val_metrics, samples = validate(rollout, val_items, 0, tokenizer, reward_fn, device)
+        val_metrics = to_floats(val_metrics)
+        trackers.log_generations(samples, step=0)
+        trackers.log(val_metrics, step=0)
+        console.print("validation before training: " + json.dumps({k: round(v, 4) for k, v in val_metrics.items()}))
     columns = (TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("train", total=cfg.trainer.total_steps)
-        for step in range(1, cfg.trainer.total_steps + 1):
+        task = progress.add_task("train", total=cfg.trainer.total_steps, completed=first_step - 1)
+        for step in range(first_step, cfg.trainer.total_steps + 1):
             timer = PhaseTimer(device)
 
             # ---- generate + score (more rounds when dynamic sampling drops groups) ------------------------
@@ -828,12 +797,14 @@ def main(cfg: Config) -> None:
             with timer("sync"):
                 rollout.sync_weights(actor, version=step)
 
-            # ---- validate, log -------------------------------------------------------------------------
+            # ---- validate, log, save -----------------------------------------------------------------
             metrics.update(score_metrics("train", groups, device))
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
+            samples = []
             if val_items and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or step == cfg.trainer.total_steps):
                 with timer("validate"):
-                    metrics.update(validate(rollout, val_items, step, tokenizer, reward_fn, run_dir, device))
+                    val_metrics, samples = validate(rollout, val_items, step, tokenizer, reward_fn, device)
+                    metrics.update(val_metrics)
             step_time = sum(timer.seconds.values())
             metrics.update(timer.seconds)
             sequence_tokens = all_reduce({"tokens": batch["input_ids"].numel()}, device)["tokens"]
@@ -842,22 +813,32 @@ def main(cfg: Config) -> None:
                                                                dist.ReduceOp.MAX)["peak"]})
             metrics = to_floats(metrics)  # the one device-to-host copy of the step's numbers
             history.append({"step": step, **metrics})
-            if rank == 0:
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(history[-1]) + "\n")
-            progress.console.print(
-                f"step {step:>4} | reward {metrics['train/reward_overall']:.3f} | len {metrics['train/response_length_mean']:.1f} "
-                f"| kl {metrics['actor/kl_ref']:.4f} | grad {metrics['actor/grad_norm']:.3f} "
-                f"| engine gap {metrics['rollout/logprob_diff_mean']:.1e} | {step_time:.2f}s"
-                + (f" | val {metrics['val/reward_overall']:.3f}" if "val/reward_overall" in metrics else ""))
+            trackers.log_generations(samples, step)
+            trackers.log(metrics, step)  # before the checkpoint: a resume from it never misses this step's line
+            if "console" in cfg.trainer.logger:
+                progress.console.print(step_line(step, metrics))
+            if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or step == cfg.trainer.total_steps):
+                save_start = time.perf_counter()
+                path = save_checkpoint(run_dir, step, actor, optimizer,
+                                       {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                                        "kl_coef": kl_coef, "score": metrics.get(cfg.trainer.best_metric)},
+                                       model_only=cfg.trainer.save_model_only, save_limit=cfg.trainer.save_limit,
+                                       best_metric=cfg.trainer.best_metric)
+                progress.console.print(f"saved {path} in {time.perf_counter() - save_start:.1f}s")
             progress.advance(task)
 
     if cfg.trainer.save_final:
         save_hf_model(actor, tokenizer, run_dir / "final")
-    first = history[0]["train/reward_overall"]
-    last = sum(h["train/reward_overall"] for h in history[-5:]) / len(history[-5:])
-    console.print(f"done: {len(history)} steps in {time.perf_counter() - start_time:.0f}s; train reward "
-                  f"{first:.3f} (step 1) -> {last:.3f} (mean of the last {len(history[-5:])} steps); run folder {run_dir}")
+    if history:
+        first, last = history[0], history[-5:]
+        console.print(f"done: steps {first['step']}-{history[-1]['step']} in {time.perf_counter() - start_time:.0f}s; "
+                      f"train reward {first['train/reward_overall']:.3f} (step {first['step']}) -> "
+                      f"{sum(h['train/reward_overall'] for h in last) / len(last):.3f} (mean of the last {len(last)} "
+                      f"steps); run folder {run_dir}")
+    else:
+        console.print(f"nothing to train: the run is at step {first_step - 1} of --trainer.total-steps "
+                      f"{cfg.trainer.total_steps}; raise it to train on")
+    trackers.close()
     dist.barrier()
     rollout.shutdown()
     if dist.is_initialized():  # vLLM's shutdown may already have destroyed the default group
@@ -889,4 +870,4 @@ def override(config, changes: dict, where: str):
 
 
 if __name__ == "__main__":
-    main(parse_config(sys.argv[1:]))
+    run(lambda: main(parse_quietly(parse_config, sys.argv[1:])))

@@ -16,12 +16,13 @@ Design decisions:
 - Log-probs are those of the distribution actually sampled from (after temperature, top-k, top-p), the
   quantity the trainer recomputes, so their gap measures engine staleness and numerics. With top_p < 1
   or top_k > 0 the engines renormalise over the kept tokens, so the gap then also includes that truncation.
-- Every generate call samples from its own RNG stream, seeded from (seed, engine, step, call index) and
+- Every generate call samples from its own RNG stream, seeded from (seed, engine, step, purpose, call index) and
   swapped in around the call (`sampling_rng`): the ranks of a tensor-parallel engine then draw identical
   samples whatever else touched the global RNG (a user's reward function, say), a rerun (or a resumed run)
   draws the same samples, and the trainer's own RNG is left as it was.
 """
 
+import logging
 import os
 import random
 from contextlib import contextmanager
@@ -101,17 +102,26 @@ def sampling(cfg: RolloutConfig, validation: bool, greedy: bool) -> tuple[int, f
     return cfg.n, cfg.temperature, cfg.top_p
 
 
+def call_purpose(validation: bool, greedy: bool) -> str:
+    return "greedy" if greedy else "validation" if validation else "train"
+
+
 class SeedStream:
-    """Seeds for successive generate calls: reproducible from (seed, engine, step, call index)."""
+    """Seeds for successive generate calls: reproducible from (seed, engine, step, purpose, call index).
+
+    Training, validation and greedy calls count separately, so how often a run validates does not change
+    its training samples (and a run resumed after a validating step draws what the straight run drew).
+    """
 
     def __init__(self, seed: int, engine_index: int):
-        self.seed, self.engine_index, self.version, self.calls = seed, engine_index, -1, 0
+        self.seed, self.engine_index, self.version, self.calls = seed, engine_index, -1, {}
 
-    def next(self, version: int) -> int:
-        """The seed of the next call at `version` (the call counter restarts at every step)."""
-        self.calls = self.calls + 1 if version == self.version else 0
-        self.version = version
-        return random.Random(f"{self.seed}/{self.engine_index}/{version}/{self.calls}").randrange(2**62)
+    def next(self, version: int, purpose: str) -> int:
+        """The seed of the next `purpose` call at `version` (the call counters restart at every step)."""
+        if version != self.version:
+            self.version, self.calls = version, {}
+        self.calls[purpose] = self.calls.get(purpose, -1) + 1
+        return random.Random(f"{self.seed}/{self.engine_index}/{version}/{purpose}/{self.calls[purpose]}").randrange(2**62)
 
 
 @contextmanager
@@ -156,6 +166,7 @@ class VLLMRollout:
         from vllm import LLM
 
         self.cfg = cfg
+        show_progress = logging.getLogger("vllm").isEnabledFor(logging.INFO)  # console.py sets vLLM's log level
         self.on_gpu = device.type == "cuda"
         self.dtype = {"auto": torch.bfloat16 if self.on_gpu else torch.float32,
                       "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.dtype]
@@ -173,6 +184,7 @@ class VLLMRollout:
             enforce_eager=cfg.enforce_eager or not self.on_gpu,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            use_tqdm_on_load=show_progress,
             **memory,
         )
         # Ranks sharing an engine (tensor parallelism) must submit identical requests: they pool their prompts.
@@ -245,7 +257,7 @@ class VLLMRollout:
             requests, mine = [r for part in pooled for r in part], slice(first, first + len(requests))
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
                                 max_tokens=self.cfg.max_response_length, logprobs=0)
-        with sampling_rng(self.seeds.next(version), self.device):
+        with sampling_rng(self.seeds.next(version, call_purpose(validation, greedy)), self.device):
             outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
         return [[Response(token_ids=list(o.token_ids),
                           logprobs=[next(iter(step.values())).logprob for step in o.logprobs],
@@ -264,7 +276,6 @@ def _vllm_prompt(item: PromptItem) -> dict:
 def vllm_environment() -> None:
     """Environment vLLM must see before it is imported (set once, at start-up)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine core in this process
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 # ==================================================================================================
@@ -331,7 +342,7 @@ class HFRollout:
                                   temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
                                   eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
         was_training = self.model.training
-        with gathered(self.model), sampling_rng(self.seeds.next(version), self.device):
+        with gathered(self.model), sampling_rng(self.seeds.next(version, call_purpose(validation, greedy)), self.device):
             self.model.eval()
             try:
                 sequences = self.model.generate(input_ids=input_ids.to(self.device), generation_config=config,

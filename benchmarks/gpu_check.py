@@ -96,7 +96,8 @@ def part_update(args) -> dict:
     import torch
 
     from fsdp_utils import init_distributed, load_sharded_model
-    from grpo import Config, batched_logprobs, make_batch, peak_memory_gib, update_policy
+    from grpo import Config, batched_logprobs, make_batch, update_policy
+    from metrics import peak_memory_gib
     from memory import count_parameters
 
     _, _, device = init_distributed()

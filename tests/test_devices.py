@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 import grpo
+import metrics
 from conftest import free_port
 from fsdp_utils import all_reduce, sum_over_ranks, to_floats
 from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, Config, Group, aggregate,
-                  backward_mini_batch, batched_logprobs, kl_penalty, logprob_metrics, make_batch, response_logprobs,
-                  score_metrics, token_rewards)
+                  backward_mini_batch, batched_logprobs, kl_penalty, make_batch, response_logprobs, token_rewards)
+from metrics import logprob_metrics, score_metrics
 
 DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_object")
@@ -138,10 +139,11 @@ def test_update_and_metrics_stay_on_the_device(device):
         assert len(SEEN) >= 5, "the collectives of the step were not seen"
 
 
-def test_the_trainer_issues_collectives_only_through_the_checked_helpers():
-    """grpo.py's collectives go through fsdp_utils' helpers (exercised above), so none can bypass the device rule."""
-    tree = ast.parse(Path(grpo.__file__).read_text())
+@pytest.mark.parametrize("module", [grpo, metrics])
+def test_the_trainer_issues_collectives_only_through_the_checked_helpers(module):
+    """The step's collectives go through fsdp_utils' helpers (exercised above), so none can bypass the device rule."""
+    tree = ast.parse(Path(module.__file__).read_text())
     direct = [f"line {node.lineno}: dist.{node.attr}" for node in ast.walk(tree)
               if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "dist"
               and node.attr in COLLECTIVES]
-    assert not direct, f"grpo.py calls collectives directly (use fsdp_utils.all_reduce / sum_over_ranks): {direct}"
+    assert not direct, f"{module.__file__} calls collectives directly (use fsdp_utils.all_reduce / sum_over_ranks): {direct}"

@@ -17,7 +17,9 @@ from conftest import torchrun
 def test_default_job_learns_the_builtin_task(tmp_path, engine):
     """The default job, with the vLLM engine and with the HF engine (transformers generate on the FSDP2 model)."""
     output = torchrun(["grpo.py", "--trainer.output-dir", str(tmp_path), "--rollout.engine", engine], timeout=1200)
-    metrics = [json.loads(line) for line in (tmp_path / "toy-grpo" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "toy-grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 0 and "val/reward_overall" in lines[0]  # validation before training
+    metrics = lines[1:]
     rewards = [m["train/reward_overall"] for m in metrics]
     assert rewards[0] < 0.1, f"a random model should start near chance, got {rewards[0]}"
     last = sum(rewards[-5:]) / 5

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import ROOT, free_port, torchrun
 
@@ -17,14 +18,17 @@ FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8",
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The training steps' lines of metrics.jsonl (step 0 holds the validation before training)."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if line["step"] > 0]
 
 
 def test_three_steps_end_to_end(tmp_path):
     # 2 PPO epochs x 2 mini-batches of 4 prompts: 4 optimizer steps per training step
     torchrun(["grpo.py", "--trainer.total-steps", "3", "--trainer.output-dir", str(tmp_path),
               "--trainer.experiment-name", "e2e", "--trainer.val-freq", "2", *FAST,
-              "--trainer.global-batch-size", "4", "--trainer.ppo-epochs", "2"])
+              "--trainer.global-batch-size", "4", "--trainer.ppo-epochs", "2",
+              "--trainer.logger", "console", "jsonl", "tensorboard"])
     run_dir = tmp_path / "e2e"
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -38,7 +42,13 @@ def test_three_steps_end_to_end(tmp_path):
             assert key in m, key
         assert m["rollout/logprob_diff_max"] < 1e-3, "vLLM and the trainer disagree: stale engine?"
     assert "val/reward_overall" in metrics[1] and "val/reward_overall" in metrics[2]
-    assert (run_dir / "generations.jsonl").exists()
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0  # validation before training
+    assert {json.loads(line)["step"] for line in (run_dir / "generations.jsonl").read_text().splitlines()} == {0, 2, 3}
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/reward_overall")] == [
+        (m["step"], pytest.approx(m["train/reward_overall"])) for m in metrics]
+    assert [e.step for e in events.Scalars("val/reward_overall")] == [0, 2, 3]
     # the saved model is a loadable HF folder whose weights moved away from the initial ones
     initial = load_file(tmp_path / "models" / "tiny-qwen2" / "model.safetensors")
     final = load_file(run_dir / "final" / "model.safetensors")
@@ -49,9 +59,10 @@ def test_three_steps_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("architecture", ["qwen3", "llama"])
 def test_text_architectures_train(tmp_path, architecture):
-    torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--trainer.total-steps", "2",
-              "--trainer.output-dir", str(tmp_path), "--trainer.experiment-name", architecture,
-              "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST])
+    output = torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--trainer.total-steps", "2",
+                       "--trainer.output-dir", str(tmp_path), "--trainer.experiment-name", architecture,
+                       "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.verbose", *FAST])
+    assert "Failed to load weights" in output  # --trainer.verbose shows vLLM's (expected) per-sync warnings
     metrics = read_metrics(tmp_path / architecture)
     assert len(metrics) == 2
     assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics)

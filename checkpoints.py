@@ -1,0 +1,249 @@
+"""Checkpoints: the whole training state every --trainer.save-freq steps, and resume from it.
+
+A run folder (`--trainer.output-dir`/`--trainer.experiment-name`):
+
+    runs/toy-grpo/
+      config.json                 the run's config (a resume lists the flags it changes)
+      metrics.jsonl               one line per step; generations.jsonl: validation samples (trackers.py)
+      checkpoints/
+        tracker.json              {"latest": 40, "best": 20, "best_metric": "val/reward_overall", ...} (for people)
+        step_000040/
+          model_optimizer/        torch distributed checkpoint: every rank writes its own shards
+          rng/rank_0.pt ...       python, numpy, torch (and CUDA) RNG states of each rank
+          trainer_state.json      step, LR scheduler, loader position, KL coefficient, score, world size
+      final/                      the trained model as a Hugging Face folder
+
+Resume (`--trainer.resume`): `auto` (the default) continues from the latest complete checkpoint when the run
+folder has one; `best` from the one with the best `--trainer.best-metric`; or a checkpoint folder's path;
+`never` starts fresh. A fresh start refuses a folder that holds another run's files instead of mixing them.
+
+Design decisions:
+- Atomic by rename: every rank writes into `step_N.tmp`, then rank 0 renames it to `step_N`. The rename is
+  the commit: a folder without `.tmp` is complete, whatever happened later, so a crash mid-save (even a
+  SIGKILL) leaves the previous checkpoints valid and the next start ignores and removes the `.tmp`.
+  Deleting (save-limit) renames to `.tmp` first, for the same reason. `tracker.json` is rewritten
+  atomically after each commit, for people and tools; resuming never depends on it.
+- Each checkpoint records its own score (the validation metric of its step, when it validated), so
+  "best" needs no other bookkeeping, and the save limit keeps the newest N plus the best.
+- Model and optimizer go through torch distributed checkpoint (DCP), whose files do not depend on the
+  number of ranks: a 2-rank checkpoint resumes on 1 rank or 8 (DCP reshards). The data loader's position
+  counts global prompts, so it is valid on any world size too; only the per-rank RNG states are tied to
+  a rank: ranks without a saved state keep their seeded start.
+- A checkpoint folder must be visible to every rank: multi-node runs need a shared filesystem for it.
+"""
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+
+RUN_FILES = ("metrics.jsonl", "generations.jsonl", "checkpoints")  # a folder holding any of these holds a run
+
+
+def step_folder(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The committed checkpoints of a run, oldest first (`.tmp` folders are unfinished saves or deletions)."""
+    folder = Path(run_dir) / "checkpoints"
+    return sorted(p for p in folder.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")) if folder.is_dir() else []
+
+
+def read_state(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "trainer_state.json").read_text())
+
+
+def best_checkpoint(checkpoints: list[Path]) -> Path | None:
+    """The checkpoint with the highest recorded score (the latest of equals); None if none has a score."""
+    scored = [(state["score"], state["step"], path) for path in checkpoints
+              if (state := read_state(path))["score"] is not None]
+    return max(scored)[2] if scored else None
+
+
+def find_resume_point(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to start from (None: a fresh run), or a SystemExit saying what to do.
+
+    resume: auto (the latest checkpoint of run_dir; fresh if it has none), never, best, or a checkpoint path.
+    A run folder only ever holds one history: a fresh start into a used folder, or a resume from another run's
+    checkpoint into it, is refused with the flags that do it in a new folder. Resuming from an earlier
+    checkpoint of the same run rewinds it (prepare_run_folder).
+    """
+    run_dir = Path(run_dir)
+    checkpoints = complete_checkpoints(run_dir)
+    holds_a_run = any((run_dir / name).exists() for name in RUN_FILES)
+    if resume == "auto" and checkpoints:
+        return checkpoints[-1]
+    if resume in ("auto", "never"):
+        if holds_a_run:
+            why = "and --trainer.resume never" if resume == "never" else "but no complete checkpoint to resume from"
+            raise SystemExit(f"{run_dir} holds another run's files (metrics, checkpoints) {why}: choose another "
+                             "--trainer.experiment-name, or delete the folder to start over")
+        return None
+    if resume == "best":
+        start = best_checkpoint(checkpoints)
+        if start is None:
+            raise SystemExit(f"--trainer.resume best: no checkpoint in {run_dir / 'checkpoints'} has a validation score "
+                             "(a checkpoint gets one when it is saved at a step that validates)")
+    else:
+        start = Path(resume)
+        if not (start / "trainer_state.json").is_file():
+            raise SystemExit(f"--trainer.resume {resume}: not a complete checkpoint folder (no trainer_state.json); give "
+                             "a checkpoints/step_N folder, or auto, best, never")
+    if holds_a_run and start.resolve().parent != (run_dir / "checkpoints").resolve():
+        raise SystemExit(f"{run_dir} holds another run: continue from {start} in a new run folder "
+                         f"(--trainer.experiment-name NEW --trainer.resume {start})")
+    return start
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, *, model_only: bool,
+                    save_limit: int, best_metric: str) -> Path:
+    """Write step `step`'s checkpoint (collective: every rank writes its shards and RNG state), commit it by
+    rename, refresh tracker.json, then apply the save limit. `trainer_state` must hold the `score`."""
+    final = step_folder(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    (tmp / "rng").mkdir(parents=True, exist_ok=True)
+    if model_only:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.save(state, checkpoint_id=tmp / "model_optimizer")
+    torch.save(rng_state(), tmp / "rng" / f"rank_{dist.get_rank()}.pt")
+    dist.barrier()  # every shard is on disk
+    if dist.get_rank() == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps(
+            {**trainer_state, "step": step, "model_only": model_only, "world_size": dist.get_world_size(),
+             "best_metric": best_metric}, indent=2))
+        os.replace(tmp, final)
+        checkpoints = complete_checkpoints(run_dir)
+        best = best_checkpoint(checkpoints)
+        if save_limit > 0:
+            for path in checkpoints[:-save_limit]:
+                if path != best:
+                    remove(path)
+        write_tracker(run_dir)
+    dist.barrier()
+    return final
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint so that no crash leaves it half-deleted but looking complete: rename, then delete."""
+    doomed = path.with_name(path.name + ".deleting.tmp")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def write_tracker(run_dir: Path) -> None:
+    """checkpoints/tracker.json: the latest and the best step with every checkpoint's score, written atomically."""
+    checkpoints = complete_checkpoints(run_dir)
+    best = best_checkpoint(checkpoints)
+    tracker = {"latest": read_state(checkpoints[-1])["step"] if checkpoints else None,
+               "best": read_state(best)["step"] if best else None,
+               "best_metric": read_state(checkpoints[-1])["best_metric"] if checkpoints else None,
+               "scores": {read_state(p)["step"]: read_state(p)["score"] for p in checkpoints}}
+    path = Path(run_dir) / "checkpoints" / "tracker.json"
+    path.with_suffix(".tmp").write_text(json.dumps(tracker, indent=2))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def load_checkpoint(checkpoint: Path, model, optimizer) -> dict:
+    """Fill the model (and the optimizer, unless the checkpoint is model-only) from `checkpoint`, on any number
+    of ranks; restore this rank's RNG state if the checkpoint has one. Returns the trainer state."""
+    checkpoint = Path(checkpoint)
+    state = read_state(checkpoint)
+    if state["model_only"]:
+        tensors = {"model": get_model_state_dict(model)}
+        dcp.load(tensors, checkpoint_id=checkpoint / "model_optimizer")
+        set_model_state_dict(model, tensors["model"])
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        tensors = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(tensors, checkpoint_id=checkpoint / "model_optimizer")
+        set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"])
+    rng_file = checkpoint / "rng" / f"rank_{dist.get_rank()}.pt"
+    if rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return state
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def remove_unfinished(run_dir: Path) -> None:
+    """Delete what a crash mid-save or mid-delete left behind (`.tmp` folders); rank 0 at start-up."""
+    for path in (Path(run_dir) / "checkpoints").glob("*.tmp"):
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+
+
+def agree_on_resume_point(run_dir: Path, resume: str) -> Path | None:
+    """find_resume_point decided on rank 0 and sent to every rank (collective), so that all ranks start from
+    the same place; a refusal ends every rank with the same message."""
+    decision: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            decision = [find_resume_point(run_dir, resume)]
+        except SystemExit as refusal:
+            decision = [refusal]
+    dist.broadcast_object_list(decision, src=0)
+    if isinstance(decision[0], SystemExit):
+        raise decision[0]
+    return decision[0]
+
+
+def prepare_run_folder(run_dir: Path, config: dict, start: Path | None, say) -> None:
+    """Rank 0 at start-up: create the folder, clear unfinished saves, rewind to `start` (the checkpoint resumed
+    from; checkpoints after it move to checkpoints/discarded-TIME/, kept but never resumed), and record the
+    config, first `say`ing which settings changed since the last launch."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    remove_unfinished(run_dir)
+    if start is not None and start.resolve().parent == (run_dir / "checkpoints").resolve():
+        later = [p for p in complete_checkpoints(run_dir) if read_state(p)["step"] > read_state(start)["step"]]
+        if later:
+            discarded = run_dir / "checkpoints" / time.strftime("discarded-%Y%m%d-%H%M%S")
+            discarded.mkdir()
+            for path in later:
+                os.replace(path, discarded / path.name)
+            say(f"rewound to {start.name}: the later checkpoints moved to {discarded}")
+            write_tracker(run_dir)
+    config_file = run_dir / "config.json"
+    if start is not None and config_file.exists():
+        changes = changed_settings(json.loads(config_file.read_text()), json.loads(json.dumps(config, default=str)))
+        if changes:
+            say("resuming with changed settings: " + "; ".join(changes))
+    config_file.write_text(json.dumps(config, indent=2, default=str))
+
+
+def changed_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """`section.key old -> new` for every leaf that differs between two nested config dicts."""
+    changes = []
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += changed_settings(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append(f"{prefix}{key} {a} -> {b}")
+    return changes

@@ -1,0 +1,95 @@
+"""What the person at the terminal sees: one progress bar, one copy of each message, errors in one line.
+
+Under torchrun every rank is a full Python process, and vLLM, transformers and datasets each print their
+own start-up chatter, progress bars and warnings, once per rank: about 500 lines around the 120 step lines
+of the default job. By default this module hides them:
+- vLLM's log below ERROR. Its per-step "RotaryEmbedding/ParallelLMHead: Failed to load weights" warnings are
+  expected: the in-place weight sync streams parameters only, and a rotary embedding has none while a tied
+  head is loaded through the embedding (rollout.py).
+- transformers' and datasets' progress bars and infos, vLLM's loading bar, and two known deprecation
+  warnings raised inside vLLM.
+- Every message of the trainer (the console) comes from global rank 0 only.
+`--trainer.verbose` (or GRPO_VERBOSE=1, which also shows errors' tracebacks) shows everything again.
+
+Errors: a mistake of the user's (a bad flag, a missing dataset column, a reward function that raises:
+the error types in USER_ERRORS, whose messages this project writes to say what to do) ends the process
+with that message on one line and exit code 1, printed once however many ranks hit it; anything else is a
+bug and keeps its traceback. torchrun still adds its own "ChildFailedError" banner when a rank exits with an
+error (it cannot be turned off from inside the workers); its "Root Cause" shows the same message.
+"""
+
+import hashlib
+import io
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
+
+import torch.distributed as dist
+
+from rewards import RewardError
+
+USER_ERRORS = (SystemExit, RewardError, ValueError, KeyError, FileNotFoundError)
+
+
+def env_verbose() -> bool:
+    return os.environ.get("GRPO_VERBOSE", "") not in ("", "0")
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Hide the libraries' chatter (module docstring) unless `verbose`; call before vLLM is imported."""
+    if verbose or env_verbose():
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        return
+    import datasets
+    import transformers
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # also before vLLM configures its logger (import-time warnings)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    logging.getLogger("torch.distributed.checkpoint").setLevel(logging.ERROR)
+    # raised inside vLLM 0.32's triton dispatcher on every start-up; nothing a user can act on
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated")
+
+
+def parse_quietly(parse: Callable, argv: list[str]):
+    """Parse the command line; only rank 0 prints a usage error (every rank parses the same argv)."""
+    if os.environ.get("RANK", "0") == "0":
+        return parse(argv)
+    with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+        return parse(argv)
+
+
+def run(main: Callable, *args) -> None:
+    """main(*args), with user errors reported as one line, once over all ranks, and exit code 1."""
+    try:
+        main(*args)
+    except USER_ERRORS as error:
+        if env_verbose() or (isinstance(error, SystemExit) and not isinstance(error.code, str)):
+            raise  # a plain exit (tyro's --help, a parse error already printed) or a wanted traceback
+        message = str(error.code if isinstance(error, SystemExit) else error.args[0] if error.args else error)
+        if first_to_report(message):
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's failure banner shows this as the root cause
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        sys.stdout.flush()
+        os._exit(1)  # not sys.exit: interpreter teardown would run vLLM's and gloo's finalizers on a broken run
+
+
+def first_to_report(message: str) -> bool:
+    """True for the first rank to report `message` (ranks share torchrun's key-value store); before the
+    process group exists every rank is running the same checks, so rank 0 reports."""
+    if not dist.is_initialized():
+        return os.environ.get("RANK", "0") == "0"
+    rank = str(dist.get_rank())
+    key = "error:" + hashlib.sha1(message.encode()).hexdigest()  # not hash(): it is salted per process
+    return dist.distributed_c10d._get_default_store().compare_set(key, "", rank).decode() == rank

@@ -1,0 +1,263 @@
+"""Checkpoints and resume: exact resume under torchrun, crash safety, the save limit, resharding onto 1 rank;
+and the console of those runs.
+
+The torchrun tests run the real entry point (2 ranks, gloo); the rules of checkpoints.py (which folder is
+complete, which is best, what the save limit deletes, when a resume is refused) are checked in-process
+on a world of one.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.fsdp import fully_shard
+
+import checkpoints
+from conftest import ROOT, free_port, torchrun
+
+FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
+        "--actor.micro-batch-size", "8"]
+NOT_REPRODUCIBLE = ("timing/", "perf/")  # wall-clock time and memory, not the training's numbers
+# Printed by torch's C++ logger from vLLM's CPU worker, before grpo.py runs (TORCH_CPP_LOG_LEVEL is read once, when
+# torch loads): one line per rank, CPU only.
+CPU_NUMA_LINE = "NUMA binding: Using MEMBIND policy"
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def without_timings(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(NOT_REPRODUCIBLE)} for m in metrics]
+
+
+def run_job(tmp_path: Path, name: str, steps: int, *flags: str, nproc: int = 2) -> str:
+    return torchrun(["grpo.py", "--trainer.total-steps", str(steps), "--trainer.output-dir", str(tmp_path),
+                     "--trainer.experiment-name", name, "--trainer.save-freq", "2", "--trainer.val-freq", "2", *FAST,
+                     *flags], nproc=nproc)
+
+
+@pytest.fixture(scope="module")
+def straight_and_resumed(tmp_path_factory):
+    """The same 4-step job twice: straight, and as 2 steps plus a second launch that resumes and trains 3-4.
+    Returns the output folder and the console output of the straight run and of the resuming launch."""
+    tmp_path = tmp_path_factory.mktemp("resume")
+    straight = run_job(tmp_path, "straight", 4)
+    run_job(tmp_path, "resumed", 2)
+    return tmp_path, straight, run_job(tmp_path, "resumed", 4)
+
+
+def test_resume_is_exact(straight_and_resumed):
+    """Bitwise on CPU: the same weights, the same metric lines and validation samples (timings aside), each
+    step's line once. Holds because nothing a step depends on is left out: weights, AdamW moments, the LR
+    schedule, the loader's position, the RNGs, and the sampling seeds (per step, rollout.SeedStream); and the
+    engine is synced to the resumed weights before it generates.
+    """
+    tmp_path, _, output = straight_and_resumed
+    assert "resumed from" in output and "step_000002" in output
+    assert "trainer.total_steps 2 -> 4" in output  # the changed flag is reported
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert [m["step"] for m in lines(resumed / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert without_timings(lines(resumed / "metrics.jsonl")) == without_timings(lines(straight / "metrics.jsonl"))
+    assert lines(resumed / "generations.jsonl") == lines(straight / "generations.jsonl")
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tracker = json.loads((resumed / "checkpoints" / "tracker.json").read_text())
+    assert tracker["latest"] == 4 and set(tracker["scores"]) == {"2", "4"}
+
+
+def test_the_console_shows_each_step_once_and_no_library_chatter(straight_and_resumed):
+    output = straight_and_resumed[1]
+    printed = [line for line in output.splitlines() if CPU_NUMA_LINE not in line]
+    assert not [line for line in printed if "WARNING" in line or "Warning" in line], output
+    assert "Failed to load weights" not in output and "it/s]" not in output  # vLLM's per-sync warnings, tqdm bars
+    for message in ("data: 1024 training prompts", "validation before training", "step    1 |", "step    4 |",
+                    "saved ", "done: steps 1-4"):
+        assert sum(message in line for line in printed) == (2 if message == "saved " else 1), output
+    assert len(printed) <= 12, output
+
+
+def test_resume_onto_one_rank_from_a_two_rank_checkpoint(straight_and_resumed):
+    """DCP reshards: one rank loads the two ranks' shards into exactly the saved weights, and trains on."""
+    tmp_path = straight_and_resumed[0]
+    final = tmp_path / "resumed" / "final" / "model.safetensors"
+    saved = load_file(final)
+    final.unlink()
+    output = run_job(tmp_path, "resumed", 4, nproc=1)  # nothing left to train: the final save is the loaded model
+    assert "nothing to train" in output
+    loaded = load_file(final)
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    run_job(tmp_path, "resumed", 5, nproc=1)
+    metrics = lines(tmp_path / "resumed" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5] and metrics[-1]["rollout/logprob_diff_max"] < 1e-3
+
+
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
+    """Kill the whole job (SIGKILL, no clean-up) while it writes a checkpoint: the next launch resumes from
+    the last complete one, discards the unfinished folder, and the metric lines still hold each step once."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), "grpo.py", "--trainer.total-steps", "5", "--trainer.output-dir", str(tmp_path),
+           "--trainer.save-freq", "1", "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    folder = tmp_path / "toy-grpo" / "checkpoints"
+    deadline = time.monotonic() + 300
+    try:
+        while not list(folder.glob("step_00000[3-5].tmp")):  # poll fast: a save of the tiny model is short
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended before its third save began"
+            time.sleep(0.001)
+        # torchrun starts each worker in a session of its own: kill every process of the job, all at once
+        for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
+            process.send_signal(signal.SIGKILL)
+    finally:
+        job.kill()
+        job.wait()
+    unfinished = sorted(p.name for p in folder.glob("step_*.tmp"))
+    complete = [p.name for p in checkpoints.complete_checkpoints(tmp_path / "toy-grpo")]
+    assert unfinished, "the kill landed after the save had committed: the test did not test a crash mid-save"
+    latest = int(complete[-1].split("_")[1])
+
+    output = torchrun(cmd[cmd.index("grpo.py"):])
+    assert f"resumed from {folder / complete[-1]}" in output, output
+    assert not list(folder.glob("*.tmp"))
+    steps = [m["step"] for m in lines(tmp_path / "toy-grpo" / "metrics.jsonl")]
+    assert steps == list(range(1, 6)), f"resumed after step {latest}: {steps}"
+
+
+# ---------------------------------------------------------------- the rules, in-process (a world of one)
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def train_step(model, optimizer):
+    model(torch.randn(3, 4)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def save(run_dir, step, model, optimizer, score, limit=0, model_only=False):
+    return checkpoints.save_checkpoint(run_dir, step, model, optimizer, {"score": score}, model_only=model_only,
+                                       save_limit=limit, best_metric="val/reward_overall")
+
+
+def test_save_limit_keeps_the_newest_and_the_best(world_of_one, tmp_path):
+    model, optimizer = tiny_model()
+    for step, score in zip(range(1, 6), [None, 0.9, None, 0.5, None]):
+        save(tmp_path, step, model, optimizer, score, limit=2)
+    assert [p.name for p in checkpoints.complete_checkpoints(tmp_path)] == ["step_000002", "step_000004", "step_000005"]
+    tracker = json.loads((tmp_path / "checkpoints" / "tracker.json").read_text())
+    assert tracker["latest"] == 5 and tracker["best"] == 2 and tracker["scores"] == {"2": 0.9, "4": 0.5, "5": None}
+    assert checkpoints.find_resume_point(tmp_path, "auto").name == "step_000005"
+    assert checkpoints.find_resume_point(tmp_path, "best").name == "step_000002"
+
+
+def test_a_checkpoint_restores_weights_optimizer_and_rng(world_of_one, tmp_path):
+    model, optimizer = tiny_model()
+    train_step(model, optimizer)
+    torch.manual_seed(7)
+    path = save(tmp_path, 1, model, optimizer, None)
+    expected = [torch.randn(3) for _ in range(2)]
+    weights = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    train_step(model, optimizer)  # move everything away from the checkpoint
+
+    fresh, fresh_optimizer = tiny_model()
+    state = checkpoints.load_checkpoint(path, fresh, fresh_optimizer)
+    assert state["step"] == 1 and state["world_size"] == 1 and not state["model_only"]
+    assert all(torch.equal(v.full_tensor(), weights[k]) for k, v in fresh.state_dict().items())
+    assert all(torch.equal(torch.randn(3), e) for e in expected)  # the RNG continues where it was saved
+    # the same AdamW moments: one more identical step from each gives identical weights
+    replay, replay_optimizer = tiny_model()
+    checkpoints.load_checkpoint(path, replay, replay_optimizer)
+    torch.manual_seed(3)
+    train_step(fresh, fresh_optimizer)
+    torch.manual_seed(3)
+    train_step(replay, replay_optimizer)
+    assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(fresh.parameters(), replay.parameters()))
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == 2  # the loaded step count, plus one
+
+
+def test_model_only_checkpoint_loads_the_weights_and_leaves_adamw_fresh(world_of_one, tmp_path):
+    model, optimizer = tiny_model()
+    train_step(model, optimizer)
+    path = save(tmp_path, 1, model, optimizer, None, model_only=True)
+    fresh, fresh_optimizer = tiny_model()
+    assert checkpoints.load_checkpoint(path, fresh, fresh_optimizer)["model_only"]
+    assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), fresh.parameters()))
+    assert not fresh_optimizer.state
+
+
+def test_an_unfinished_save_is_ignored_and_removed(world_of_one, tmp_path):
+    model, optimizer = tiny_model()
+    save(tmp_path, 1, model, optimizer, None)
+    crashed = checkpoints.step_folder(tmp_path, 2).with_name("step_000002.tmp")
+    (crashed / "model_optimizer").mkdir(parents=True)  # what a crash mid-save leaves
+    assert checkpoints.find_resume_point(tmp_path, "auto").name == "step_000001"
+    checkpoints.remove_unfinished(tmp_path)
+    assert not crashed.exists()
+
+
+def test_a_used_run_folder_is_never_mixed_with_another_run(world_of_one, tmp_path):
+    assert checkpoints.find_resume_point(tmp_path / "new", "auto") is None  # a fresh folder: a fresh run
+    (tmp_path / "crashed-early").mkdir()
+    (tmp_path / "crashed-early" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(SystemExit, match="holds another run's files .* no complete checkpoint"):
+        checkpoints.find_resume_point(tmp_path / "crashed-early", "auto")
+    model, optimizer = tiny_model()
+    for step, score in ((1, 0.9), (2, 0.1)):
+        save(tmp_path / "done", step, model, optimizer, score)
+    with pytest.raises(SystemExit, match="--trainer.resume never"):
+        checkpoints.find_resume_point(tmp_path / "done", "never")
+    start = checkpoints.step_folder(tmp_path / "done", 1)
+    assert checkpoints.find_resume_point(tmp_path / "fork", str(start)) == start  # a fork into a new folder
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(SystemExit, match=r"holds another run: continue from .* \(--trainer.experiment-name NEW"):
+        checkpoints.find_resume_point(tmp_path / "other", str(start))
+    with pytest.raises(SystemExit, match="not a complete checkpoint folder"):
+        checkpoints.find_resume_point(tmp_path / "fork", str(tmp_path / "nowhere"))
+
+
+def test_resuming_an_earlier_checkpoint_rewinds_the_run(world_of_one, tmp_path):
+    """--trainer.resume best (or a path) in the same folder: the later checkpoints move aside, kept but never
+    resumed, so the next automatic resume continues the rewound history."""
+    model, optimizer = tiny_model()
+    for step, score in ((1, 0.9), (2, 0.1), (3, None)):
+        save(tmp_path, step, model, optimizer, score)
+    start = checkpoints.find_resume_point(tmp_path, "best")
+    assert start.name == "step_000001"
+    said = []
+    checkpoints.prepare_run_folder(tmp_path, {"trainer": {"lr": 2}}, start, said.append)
+    assert [p.name for p in checkpoints.complete_checkpoints(tmp_path)] == ["step_000001"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("discarded-*/step_*")) == ["step_000002", "step_000003"]
+    assert "rewound to step_000001" in said[0]
+    assert json.loads((tmp_path / "checkpoints" / "tracker.json").read_text())["latest"] == 1
+    assert checkpoints.find_resume_point(tmp_path, "auto") == start
+
+
+def test_changed_settings_lists_each_changed_flag():
+    old = {"trainer": {"total_steps": 2, "seed": 1}, "actor": {"lr": 0.001}}
+    new = {"trainer": {"total_steps": 4, "seed": 1}, "actor": {"lr": 0.001}}
+    assert checkpoints.changed_settings(old, new) == ["trainer.total_steps 2 -> 4"]

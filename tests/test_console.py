@@ -1,0 +1,50 @@
+"""The console of `torchrun grpo.py`: user errors as one line, once (not a traceback per rank).
+The default console of a training run is checked on the runs of test_checkpoints.py, --trainer.verbose in
+test_train.py."""
+
+import subprocess
+import sys
+
+from conftest import ROOT, free_port
+
+FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
+        "--actor.micro-batch-size", "8"]
+
+
+def failing_torchrun(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "grpo.py", "--trainer.output-dir", str(tmp_path), *FAST, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    return proc
+
+
+def our_tracebacks(output: str) -> list[str]:
+    """Traceback frames in this project's files (torchrun's own traceback of ChildFailedError is not ours)."""
+    return [line for line in output.splitlines()
+            if line.strip().startswith(f'File "{ROOT}') and not line.strip().startswith(f'File "{ROOT / ".venv"}')]
+
+
+def test_a_missing_dataset_column_is_one_line_once(tmp_path):
+    data = tmp_path / "questions.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n' * 16)
+    proc = failing_torchrun(["--data.train-files", str(data)], tmp_path)
+    message = f"error: dataset {str(data)!r} has no column 'problem'"
+    assert proc.stderr.count(message) == 1, proc.stderr
+    assert "set --data.prompt-key" in proc.stderr
+    assert not our_tracebacks(proc.stdout + proc.stderr), proc.stderr
+
+
+def test_a_bad_flag_combination_is_one_line_once(tmp_path):
+    proc = failing_torchrun(["--algorithm.use-kl-in-reward"], tmp_path)
+    assert proc.stderr.count("error: invalid configuration") == 1, proc.stderr  # torchrun's banner repeats the text
+    assert "pick one place for the KL" in proc.stderr
+    assert not our_tracebacks(proc.stdout + proc.stderr)
+
+
+def test_a_reward_function_that_raises_names_itself_without_a_traceback(tmp_path):
+    reward = tmp_path / "broken.py"
+    reward.write_text("def score(inp):\n    raise ZeroDivisionError('the reward is broken')\n")
+    proc = failing_torchrun(["--reward.function", f"{reward}:score", "--trainer.no-val-before-train"], tmp_path)
+    assert "error: reward" in proc.stderr and "the reward is broken" in proc.stderr, proc.stderr
+    assert not our_tracebacks(proc.stdout + proc.stderr), proc.stderr
