@@ -1,0 +1,33 @@
+"""tiny.py's vision-language models: each builds, its processor expands an image placeholder into the image's
+tokens, and the model reads them (the text models are exercised by every other test)."""
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+from fsdp_utils import model_class
+from tiny import VISION_ARCHITECTURES, build_tiny_model
+
+MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
+
+
+@pytest.mark.parametrize("architecture", sorted(VISION_ARCHITECTURES))
+def test_tiny_vision_language_models_read_images(tmp_path, architecture):
+    path = build_tiny_model(architecture, tmp_path / architecture)
+    assert model_class(AutoConfig.from_pretrained(path)) is AutoModelForImageTextToText
+    processor = AutoProcessor.from_pretrained(path)
+    text = processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert text == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    patch = VISION_ARCHITECTURES[architecture][-1]["patch_size"]
+    # an image of 8 x 6 patches -> 48 patches, merged 2 x 2 -> 12 image tokens; a huge one is capped at 64 patches
+    for size, tokens in (((8 * patch, 6 * patch), 12), ((100 * patch, 100 * patch), 16)):
+        inputs = processor(text=[text], images=[Image.new("RGB", size, (255, 0, 0))], return_tensors="pt")
+        pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        assert (inputs["input_ids"] == pad).sum().item() == tokens
+        assert inputs["image_grid_thw"].prod().item() == 4 * tokens
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    with torch.no_grad():
+        logits = model(**inputs).logits  # [1, T, V]
+    assert logits.shape == (1, inputs["input_ids"].shape[1], len(processor.tokenizer)) and logits.isfinite().all()
