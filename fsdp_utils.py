@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 
 def init_distributed(timeout_minutes: float = 30) -> tuple[int, int, torch.device]:
@@ -82,6 +82,12 @@ def to_floats(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
     return {k: on_host[k] if k in on_host else float(v) for k, v in metrics.items()}
 
 
+def model_class(config):
+    """The transformers Auto class of a checkpoint: image-text-to-text for vision-language models (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL: a `vision_config`), causal LM otherwise."""
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+
+
 def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: torch.dtype = torch.float32,
                        gradient_checkpointing: bool = False):
     """Build the HF model on the meta device, shard it with FSDP2, fill it from rank 0's checkpoint.
@@ -91,7 +97,7 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
     """
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = model_class(config).from_config(config, dtype=dtype)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mixed_precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -103,7 +109,7 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
     fully_shard(model, mp_policy=mixed_precision)
     model.to_empty(device=device)
 
-    full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype) if dist.get_rank() == 0 else None
+    full = model_class(config).from_pretrained(path, dtype=dtype) if dist.get_rank() == 0 else None
     set_model_state_dict(model, full.state_dict() if full is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     full_buffers = dict(full.named_buffers()) if full is not None else {}

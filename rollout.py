@@ -151,7 +151,7 @@ class VLLMRollout:
       tied embeddings the reload refreshes the embedding but not that packed copy, so the head's weight
       processing is re-run after every sync.
     - Prefix caching on: the n samples of a prompt share one prefill. Its cache is reset at every sync,
-      so no KV computed with old weights is ever reused.
+      so no KV computed with old weights is ever reused; so is the encoder cache (vision embeddings).
     - CUDA graphs on GPU unless `--rollout.enforce-eager` (decoding is launch-bound for small batches);
       the CPU platform has no graphs, so it runs eagerly.
     - The sampling RNG (module docstring) is the device's default generator, which vLLM's sampler uses for
@@ -225,13 +225,16 @@ class VLLMRollout:
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         self._worker.reload_weights(weights_iterator=stream_full_weights(model, self.dtype))
-        lm_head = getattr(self._model, "lm_head", None)
-        if not self.on_gpu and lm_head is not None and hasattr(lm_head, "quant_method"):
-            lm_head.quant_method.process_weights_after_loading(lm_head)  # refresh the CPU-packed head (tied)
+        if not self.on_gpu:  # refresh the CPU-packed head (tied); a VLM's sits in its language model
+            for name, module in self._model.named_modules():
+                if name.split(".")[-1] == "lm_head" and hasattr(module, "quant_method"):
+                    module.quant_method.process_weights_after_loading(module)
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
+        # vision embeddings computed with the old weights; reusing one fails with "Encoder cache miss" (vLLM 0.32)
+        self.llm.llm_engine.reset_encoder_cache()
         self.weights_version = version
 
     def generate(self, prompts: list[PromptItem], version: int, validation: bool = False,

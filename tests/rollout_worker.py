@@ -1,6 +1,7 @@
 """Run under torchrun by test_rollout.py: generate, perturb the FSDP weights, sync, compare log-probs.
 
-argv: ENGINE (vllm | hf) ARCHITECTURE OUT. With the hf engine the two ranks get different response length
+argv: ENGINE (vllm | hf) ARCHITECTURE OUT. A vision-language ARCHITECTURE also generates for prompts with an
+image, before and after the sync (the engine's encoder cache must not serve the old weights' embeddings). With the hf engine the two ranks get different response length
 limits (rank 0: 3 tokens, rank 1: 12), so they run different numbers of decoding steps: a collective
 inside generation would hang here.
 """
@@ -10,12 +11,14 @@ import sys
 
 import torch
 import torch.distributed as dist
+from PIL import Image
 from torch.distributed.tensor import DTensor
+from transformers import AutoTokenizer
 
 from fsdp_utils import init_distributed, load_sharded_model, stream_full_weights
 from grpo import batched_logprobs, make_batch
 from rollout import RolloutConfig, build_rollout, vllm_environment
-from tiny import build_tiny_model
+from tiny import VISION_ARCHITECTURES, build_tiny_model
 
 TEMPERATURE = 0.7
 
@@ -46,6 +49,14 @@ def main(engine: str, architecture: str, out: str):
     prompts = [{"prompt_ids": [1, 40 + i + rank, 41, 2, 1, 18][: 3 + i]} for i in range(4)]  # lengths 3..6
     before = rollout.generate(prompts, version=0)
     gap_initial = logprob_gap(actor, prompts, before, pad_id=0)
+    # vision-language models: a prompt with one image placeholder (vLLM expands it), before and after the sync
+    image_prompts = []
+    if architecture in VISION_ARCHITECTURES and engine == "vllm":
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        start, pad, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+        image_prompts = [{"prompt_ids": [1, start, pad, end, 40 + rank, 41], "images": [Image.new("RGB", (56, 56), c)]}
+                         for c in ((255, 0, 0), (0, 0, 255))]
+    image_groups = rollout.generate(image_prompts, version=0) if image_prompts else []
 
     torch.manual_seed(rank)
     with torch.no_grad():
@@ -60,6 +71,7 @@ def main(engine: str, architecture: str, out: str):
     rollout.sync_weights(actor, version=1)
     after = rollout.generate(prompts, version=1)
     gap_synced = logprob_gap(actor, prompts, after, pad_id=0)
+    image_groups += rollout.generate(image_prompts, version=1) if image_prompts else []  # the same images again
 
     # the weight stream casts each shard before its gather: bf16 tensors equal to the full fp32 ones, cast
     streamed = dict(stream_full_weights(actor, torch.bfloat16))
@@ -76,6 +88,7 @@ def main(engine: str, architecture: str, out: str):
         "gap_initial": gap_initial, "gap_stale": gap_stale, "gap_synced": gap_synced, "stale_error": stale_error,
         "tied": bool(getattr(actor.config, "tie_word_embeddings", False)),
         "stream_exact": stream_exact, "ref_dtypes": ref_dtypes, "ref_gap": ref_gap,
+        "image_group_sizes": [len(g) for g in image_groups],
     }
     results = [None] * world
     dist.all_gather_object(results, result)

@@ -1,7 +1,8 @@
 """Both rollout engines under torchrun: n samples per prompt, EOS masks, and a weight sync that really lands.
 
 The sync is checked with *changed* weights (a sync of unchanged weights proves nothing), for a model with
-tied input/output embeddings (qwen2: vLLM's CPU-packed head is the known trap) and one without (llama).
+tied input/output embeddings (qwen2: vLLM's CPU-packed head is the known trap), one without (llama), and a
+vision-language model (qwen3_vl: its language model and vision tower under transformers' in-memory names).
 The hf engine generates with the trainer's own FSDP2 model, with ranks decoding different numbers of steps.
 """
 
@@ -18,13 +19,16 @@ TOLERANCE = 1e-3  # fp32 engine and trainer: observed ~1e-6; a stale head gives 
 EOS = 2  # <|im_end|> in tiny.py's tokenizer
 
 
-@pytest.mark.parametrize("engine, architecture", [("vllm", "qwen2"), ("vllm", "llama"), ("hf", "qwen2"), ("hf", "llama")])
+@pytest.mark.parametrize("engine, architecture", [("vllm", "qwen2"), ("vllm", "llama"), ("vllm", "qwen3_vl"),
+                                                  ("hf", "qwen2"), ("hf", "llama")])
 def test_generate_and_sync_changed_weights(tmp_path, engine, architecture):
     out = tmp_path / "result.json"
     torchrun(["tests/rollout_worker.py", engine, architecture, str(out)], timeout=300)
     results = json.loads(out.read_text())
     assert [r["rank"] for r in results] == [0, 1]
-    assert results[0]["tied"] == (architecture == "qwen2")
+    assert results[0]["tied"] == (architecture in ("qwen2", "qwen3_vl"))
+    if architecture.endswith("_vl"):  # two image prompts answered before the sync and again after it
+        assert all(r["image_group_sizes"] == [8, 8, 8, 8] for r in results)
     finished = 0
     for r in results:
         assert r["n_per_prompt"] == [8, 8, 8, 8]
@@ -58,7 +62,8 @@ class RecordingLLM:
         worker = SimpleNamespace(reload_weights=lambda weights_iterator: self.calls.append(
             f"reload {len(list(weights_iterator))} tensors"), model_runner=SimpleNamespace(model=torch.nn.Module()))
         executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker))
-        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(model_executor=executor)))
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(model_executor=executor)),
+                                          reset_encoder_cache=lambda: self.calls.append("reset encoder cache"))
 
     def sleep(self, level):
         self.calls.append(f"sleep {level}")
@@ -107,7 +112,7 @@ def test_gpu_engine_settings_sleep_wake_sync_order_and_sampling_rng(monkeypatch)
         rollout.generate(prompts, version=1)
         assert torch.rand(1).item() == trainer_next, "generate must leave the trainer's RNG as it was"
         assert rollout.llm.calls == ["generate", "sleep 2", "wake weights", "reload 2 tensors", "wake kv_cache",
-                                     "reset prefix cache", "generate"]
+                                     "reset prefix cache", "reset encoder cache", "generate"]
         # a second engine (another rank of a tensor-parallel group, or a rerun) draws the same at the same step,
         # whatever the global RNG went through before
         other = VLLMRollout(RolloutConfig(n=3), "model", max_model_len=64, device=torch.device("cuda", 0))

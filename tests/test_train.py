@@ -57,7 +57,7 @@ def test_three_steps_end_to_end(tmp_path):
     assert not (run_dir / "final.tmp").exists()
 
 
-@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+@pytest.mark.parametrize("architecture", ["qwen3", "llama", "qwen2_5_vl"])  # a VLM on text rows too
 def test_text_architectures_train(tmp_path, architecture):
     output = torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--trainer.total-steps", "2",
                        "--trainer.output-dir", str(tmp_path), "--trainer.experiment-name", architecture,
