@@ -498,6 +498,10 @@ def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: C
     kept, generated = [], 0
     for rounds in range(1, algo.max_sampling_rounds + 1):
         items = loader.next_batch()
+        if any(item["images"] for item in items):
+            raise SystemExit("dataset rows with images: the engine generates from them, but the trainer's forward does "
+                             "not take pixels yet, so its log-probs would not be those of the samples; train on text rows "
+                             "(--data.image-key a column the dataset lacks ignores the images)")
         with timer("generate"):
             responses = rollout.generate(items, version)
             greedy = rollout.generate(items, version, greedy=True) if algo.adv_estimator == "remax" else None

@@ -48,3 +48,11 @@ def test_a_reward_function_that_raises_names_itself_without_a_traceback(tmp_path
     proc = failing_torchrun(["--reward.function", f"{reward}:score", "--trainer.no-val-before-train"], tmp_path)
     assert "error: reward" in proc.stderr and "the reward is broken" in proc.stderr, proc.stderr
     assert not our_tracebacks(proc.stdout + proc.stderr), proc.stderr
+
+
+def test_image_rows_stop_the_run_until_the_trainer_takes_pixels(tmp_path):
+    data = tmp_path / "images.jsonl"
+    data.write_text('{"problem": "which colour?", "answer": "red", "images": ["red.png"]}\n' * 16)
+    proc = failing_torchrun(["--data.train-files", str(data), "--data.val-files", "", "--actor.model-path",
+                             "tiny:qwen2_vl"], tmp_path)
+    assert proc.stderr.count("error: dataset rows with images") == 1, proc.stderr
