@@ -8,8 +8,11 @@ Dataset format: one row per prompt; the column names are flags (--data.prompt-ke
 - prompt (`problem`): text, rendered through the optional Jinja format prompt as `{{ content }}`,
   then through the tokenizer's chat template as one user turn with the generation prompt.
 - answer (`answer`): the ground truth, any type, handed untouched to the reward function.
-- images (`images`, optional): a list of PIL images, {"bytes": ...} dicts, raw bytes or paths, for
-  vision-language models; passed through as is (not decoded or resized here yet).
+- images (`images`, optional): a list of PIL images, {"bytes": ...} dicts, raw bytes or paths (relative
+  ones joined with --data.image-dir), for vision-language models. The prompt marks where each goes with a
+  literal `<image>`, one per image, in order; rows without images are plain text (mixed datasets work):
+
+    {"problem": "<image>How many squares are there?", "answer": "3", "images": ["clevr/0001.png"]}
 
 Where the rows come from (`name[@split]`, split `train` unless given):
     toy                      the built-in task "most common digit" (toy_rows): splits train and test
@@ -19,7 +22,10 @@ Where the rows come from (`name[@split]`, split `train` unless given):
 
 Design decisions:
 - Prompts longer than max_prompt_length tokens are dropped at start-up, never truncated (a cut prompt
-  is a different question); the count is kept in `num_filtered` for the trainer to log.
+  is a different question, and a cut inside an image's tokens breaks the model); an image counts as the
+  tokens the processor will give it. The count is kept in `num_filtered` for the trainer to log.
+- Images are decoded and resized (min/max pixels) here, once: the engine and the trainer get the same
+  pixels. The prompt holds one `<|image_pad|>` per image, the form vLLM expands itself.
 - Every rank loads the whole dataset and draws the same permutation (seed + epoch), then takes its
   contiguous share of each global batch: no sampler, no communication.
 - The loader's position counts global prompts, so a resumed run gets the identical next batch, even on
@@ -27,6 +33,8 @@ Design decisions:
 - The incomplete last batch of an epoch is dropped: every step sees exactly batch_size prompts.
 """
 
+import io
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +43,7 @@ from typing import Any, TypedDict
 
 import datasets
 import jinja2
+from PIL import Image
 
 FILE_TYPES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 TEMPLATES = Path(__file__).parent / "templates"
@@ -52,6 +61,12 @@ class DataConfig:
     """Column holding the ground truth passed to the reward function."""
     image_key: str = "images"
     """Column holding each row's list of images (vision-language models); ignored when the dataset has no such column."""
+    image_dir: str = ""
+    """Folder that relative image paths of the images column are joined with (empty: the working directory)."""
+    min_pixels: int = 262144
+    """Images with fewer pixels are scaled up to this many (aspect ratio kept), once, for rollout and training alike."""
+    max_pixels: int = 4194304
+    """Images with more pixels are scaled down to this many; it bounds each image's tokens (pixels / 28^2 for Qwen2.5-VL)."""
     format_prompt: str = ""
     """Jinja template rendering the prompt as `{{ content }}`, e.g. templates/math.jinja (also found next to data.py); empty: the prompt as is."""
     max_prompt_length: int = 256
@@ -160,35 +175,70 @@ class PromptItem(TypedDict):
 
 
 class PromptDataset:
-    """The prompts of one dataset, ready for the rollout: item i is a PromptItem."""
+    """The prompts of one dataset, ready for the rollout: item i is a PromptItem. `processor`: the model's
+    (vision-language models), which renders prompts with images and says how many tokens an image costs."""
 
-    def __init__(self, rows: datasets.Dataset, cfg: DataConfig, tokenizer, name: str):
+    def __init__(self, rows: datasets.Dataset, cfg: DataConfig, tokenizer, name: str, processor=None):
         for key, flag in ((cfg.prompt_key, "--data.prompt-key"), (cfg.answer_key, "--data.answer-key")):
             if key not in rows.column_names:
                 raise ValueError(f"dataset {name!r} has no column {key!r} (its columns: {rows.column_names}); "
                                  f"set {flag} to the right one")
-        self.cfg, self.tokenizer, self.name = cfg, tokenizer, name
+        self.cfg, self.tokenizer, self.name, self.processor = cfg, tokenizer, name, processor
         self.template = load_template(cfg.format_prompt)
+        self.has_images = cfg.image_key in rows.column_names
 
-        def fits(text, index: int) -> bool:
-            return len(self.prompt_ids(self.prompt(text, index))) <= cfg.max_prompt_length
+        def fits(text, images: list, index: int) -> bool:
+            length = len(self.prompt_ids(self.prompt(text, index, len(images))))
+            for number, image in enumerate(images):  # one <|image_pad|> in the prompt becomes the image's tokens
+                width, height = resized_size(*open_image(image, cfg.image_dir, self.where(index, number)).size,
+                                             cfg.min_pixels, cfg.max_pixels)
+                length += self.image_tokens(width, height, index) - 1
+            return length <= cfg.max_prompt_length
 
-        # input_columns: only the prompt column is read, so an image dataset's images are not decoded here
-        self.rows = rows.filter(fits, input_columns=cfg.prompt_key, with_indices=True, keep_in_memory=True,
+        # only the prompt (and image) columns are read; images only as far as their size
+        if self.has_images:
+            columns, keep = [cfg.prompt_key, cfg.image_key], lambda text, images, index: fits(text, images or [], index)
+        else:
+            columns, keep = [cfg.prompt_key], lambda text, index: fits(text, [], index)
+        self.rows = rows.filter(keep, input_columns=columns, with_indices=True, keep_in_memory=True,
                                 desc=f"dropping prompts over {cfg.max_prompt_length} tokens")
         self.num_filtered = len(rows) - len(self.rows)
         if len(self.rows) == 0:
-            raise ValueError(f"all {len(rows)} prompts of dataset {name!r} are longer than "
-                             f"{cfg.max_prompt_length} tokens; raise --data.max-prompt-length")
+            raise ValueError(f"all {len(rows)} prompts of dataset {name!r} are longer than {cfg.max_prompt_length} "
+                             "tokens (images included); raise --data.max-prompt-length" +
+                             (" or lower --data.max-pixels" if self.has_images else ""))
 
-    def prompt(self, text, index: int) -> str:
-        """Row `index`'s prompt text -> format template -> chat template (one user turn + generation prompt)."""
+    def where(self, index: int, image: int | None = None) -> str:
+        return f"dataset {self.name!r}, row {index}" + (f", image {image}" if image is not None else "")
+
+    def image_tokens(self, width: int, height: int, index: int) -> int:
+        """Tokens the processor gives an image of this size (Qwen-VL: patches after the 2 x 2 merge)."""
+        if self.processor is None:
+            raise ValueError(f"{self.where(index)} has images, but the model has no processor: image rows need a "
+                             "vision-language model (--actor.model-path), or drop the images (--data.image-key)")
+        images = self.processor.image_processor
+        return images.get_number_of_image_patches(height, width) // images.merge_size**2
+
+    def prompt(self, text, index: int, num_images: int = 0) -> str:
+        """Row `index`'s prompt text -> format template -> chat template (one user turn + generation prompt).
+
+        In an image dataset, each `<image>` of the text becomes an image part of the message, which the chat
+        template renders as `<|vision_start|><|image_pad|><|vision_end|>`.
+        """
         if not isinstance(text, str):
-            raise ValueError(f"dataset {self.name!r}, row {index}: column {self.cfg.prompt_key!r} must hold "
-                             f"text, got {type(text).__name__} {text!r:.80}")
+            raise ValueError(f"{self.where(index)}: column {self.cfg.prompt_key!r} must hold text, got "
+                             f"{type(text).__name__} {text!r:.80}")
         content = self.template.render(content=text) if self.template else text
+        if self.has_images and (num_images or "<image>" in content):
+            if content.count("<image>") != num_images:
+                raise ValueError(f"{self.where(index)}: {content.count('<image>')} <image> placeholders for {num_images} "
+                                 "images; put one <image> in the prompt where each image goes, in order")
+            parts = content.split("<image>")  # text, image, text, image, ..., text
+            content = [part for i, text_part in enumerate(parts)
+                       for part in ([{"type": "image"}] if i else []) + ([{"type": "text", "text": text_part}] if text_part else [])]
         messages = [{"role": "user", "content": content}]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        renderer = self.processor if self.processor is not None else self.tokenizer
+        return renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         # the chat template already wrote the special tokens, so the tokenizer must not add a BOS again
@@ -199,9 +249,55 @@ class PromptDataset:
 
     def __getitem__(self, index: int) -> PromptItem:
         row = self.rows[index]
-        prompt = self.prompt(row[self.cfg.prompt_key], index)
+        images = [resize_image(open_image(value, self.cfg.image_dir, self.where(index, number)), self.cfg.min_pixels,
+                               self.cfg.max_pixels) for number, value in enumerate(row.get(self.cfg.image_key) or [])]
+        prompt = self.prompt(row[self.cfg.prompt_key], index, len(images))
         return PromptItem(prompt=prompt, prompt_ids=self.prompt_ids(prompt), ground_truth=row[self.cfg.answer_key],
-                          row=row, images=list(row.get(self.cfg.image_key) or []))
+                          row=row, images=images)
+
+
+# ---------------------------------------------------------------- images: decoding and the pixel budget
+
+
+def open_image(value, image_dir: str, where: str) -> Image.Image:
+    """One entry of an images column -> a PIL image (opened lazily: its size is known before its pixels are read).
+
+    A PIL image, {"bytes": b"..."} (or {"path": ...}, as `datasets` stores images), raw bytes, or a path
+    (relative ones joined with image_dir). `where` names the dataset, row and image in the errors.
+    """
+    if isinstance(value, Image.Image):
+        return value
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, str):
+        path = Path(image_dir) / value if image_dir else Path(value)
+        source, description = path, f"file {str(path)!r} (--data.image-dir {image_dir!r})"
+    elif isinstance(value, bytes):
+        source, description = io.BytesIO(value), f"{len(value)} bytes"
+    else:
+        raise ValueError(f"{where}: an image must be a PIL image, {{'bytes': ...}}, bytes or a path, "
+                         f"got {type(value).__name__}")
+    try:
+        return Image.open(source)
+    except (OSError, Image.UnidentifiedImageError) as error:
+        raise ValueError(f"{where}: cannot read image {description}: {error}") from error
+
+
+def resized_size(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The size resize_image gives an image: (400, 300) with max_pixels 30,000 -> (200, 150)."""
+    pixels = width * height
+    if pixels > max_pixels or pixels < min_pixels:
+        factor = math.sqrt((max_pixels if pixels > max_pixels else min_pixels) / pixels)
+        return int(width * factor), int(height * factor)
+    return width, height
+
+
+def resize_image(image: Image.Image, min_pixels: int, max_pixels: int) -> Image.Image:
+    """Scale an image (aspect ratio kept) into [min_pixels, max_pixels] pixels, as RGB: the pixels the engine and
+    the trainer both see (the processor then rounds the size to its patch grid)."""
+    size = resized_size(image.width, image.height, min_pixels, max_pixels)
+    image = image.resize(size) if size != image.size else image
+    return image.convert("RGB")
 
 
 # ---------------------------------------------------------------- batches: every rank its share

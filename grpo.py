@@ -698,7 +698,7 @@ def main(cfg: Config) -> None:
     vllm_environment()
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_loggers(list(cfg.trainer.logger))
@@ -714,8 +714,11 @@ def main(cfg: Config) -> None:
 
     # ---- data, reward, models, engine ------------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_set = PromptDataset(load_rows(cfg.data.train_files), cfg.data, tokenizer, name=cfg.data.train_files)
-    val_set = (PromptDataset(load_rows(cfg.data.val_files), cfg.data, tokenizer, name=cfg.data.val_files)
+    # a vision-language model's processor renders prompts with images and knows what an image costs in tokens
+    processor = AutoProcessor.from_pretrained(model_path) if hasattr(AutoConfig.from_pretrained(model_path),
+                                                                     "vision_config") else None
+    train_set = PromptDataset(load_rows(cfg.data.train_files), cfg.data, tokenizer, cfg.data.train_files, processor)
+    val_set = (PromptDataset(load_rows(cfg.data.val_files), cfg.data, tokenizer, cfg.data.val_files, processor)
                if cfg.data.val_files else None)
     console.print(f"data: {len(train_set)} training prompts ({train_set.num_filtered} longer than "
                   f"{cfg.data.max_prompt_length} tokens dropped), {len(val_set) if val_set else 0} validation prompts")

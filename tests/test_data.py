@@ -1,12 +1,15 @@
 """data.py: loading files, folders and the toy task, prompt rendering, clear errors, and the resumable loader."""
 
+import io
 import json
 
 import datasets
 import pytest
+from PIL import Image
+from transformers import AutoProcessor
 
-from data import DataConfig, PromptDataset, PromptLoader, load_rows, shard, toy_rows
-from tiny import build_tokenizer
+from data import DataConfig, PromptDataset, PromptLoader, load_rows, resize_image, resized_size, shard, toy_rows
+from tiny import build_tiny_model, build_tokenizer
 
 MATH_SUFFIX = (" You first think about the reasoning process as an internal monologue and then provide the final"
                " answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer"
@@ -115,11 +118,87 @@ def test_a_single_file_is_its_split(tmp_path):
         load_rows(f"{path}@test")
 
 
-def test_images_pass_through(tmp_path, tokenizer):
-    rows = [{"problem": "count <image>", "answer": "3", "images": ["a.png", "b.png"]},
-            {"problem": "text only", "answer": "1", "images": None}]
-    dataset = PromptDataset(load_rows(str(write_jsonl(tmp_path / "vqa.jsonl", rows))), DataConfig(), tokenizer, "vqa")
-    assert dataset[0]["images"] == ["a.png", "b.png"] and dataset[1]["images"] == []
+# ---------------------------------------------------------------- image datasets (a tiny Qwen2-VL's processor)
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    return AutoProcessor.from_pretrained(build_tiny_model("qwen2_vl", tmp_path_factory.mktemp("vlm") / "qwen2_vl"))
+
+
+def png(size, colour=(255, 0, 0)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def test_image_rows_every_image_form_placeholders_in_order_and_mixed_rows(tmp_path, processor):
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png((56, 28), (0, 255, 0)))
+    cfg = DataConfig(image_dir=str(tmp_path / "img"), min_pixels=28 * 28, max_pixels=56 * 56)
+    forms = {  # a column holds one form: PIL images (an image feature), {"bytes": ...}, raw bytes, relative paths
+        "pil": [Image.new("RGB", (28, 28), (255, 0, 0)), Image.new("RGB", (28, 56))],
+        "dicts": [{"bytes": png((28, 28), (255, 0, 0))}, {"bytes": png((28, 56))}],
+        "bytes": [png((28, 28), (255, 0, 0)), png((28, 56))],
+        "paths": ["a.png", str(tmp_path / "img" / "a.png")],
+    }
+    for form, images in forms.items():
+        rows = [{"problem": "<image>left, <image>right: same?", "answer": "no", "images": images},
+                {"problem": "text only", "answer": "1", "images": []}]
+        dataset = PromptDataset(datasets.Dataset.from_list(rows), cfg, processor.tokenizer, form, processor)
+        assert [dataset[i]["prompt"] for i in range(2)] == [chat(f"{VISION}left, {VISION}right: same?"), chat("text only")]
+        first, second = dataset[0]["images"]
+        assert first.mode == "RGB" and dataset[1]["images"] == []
+        assert (first.size, second.size) == (((56, 28), (56, 28)) if form == "paths" else ((28, 28), (28, 56))), form
+        assert first.getpixel((0, 0)) == ((0, 255, 0) if form == "paths" else (255, 0, 0)), form
+        pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        assert dataset[0]["prompt_ids"].count(pad) == 2  # one per image: vLLM expands each itself
+
+
+def test_the_resize_rule_and_its_use_in_both_directions():
+    assert resized_size(400, 300, min_pixels=100, max_pixels=30_000) == (200, 150)  # scale sqrt(30000 / 120000)
+    assert resized_size(20, 10, min_pixels=800, max_pixels=30_000) == (40, 20)  # scale sqrt(800 / 200)
+    assert resized_size(100, 100, min_pixels=100, max_pixels=30_000) == (100, 100)
+    image = resize_image(Image.new("L", (400, 300)), min_pixels=100, max_pixels=30_000)
+    assert image.size == (200, 150) and image.mode == "RGB"
+
+
+def test_image_tokens_count_against_the_prompt_length(tmp_path, processor):
+    """A 56 x 56 image is 4 x 4 patches, 4 tokens after the 2 x 2 merge; a 112 x 112 one 16: the limit that
+    keeps the text and a small image drops the same text with a large one."""
+    text_tokens = len(processor.tokenizer(chat(VISION + "x"), add_special_tokens=False)["input_ids"])
+    rows = [{"problem": "<image>x", "answer": str(side), "images": [png((side, side))]} for side in (56, 112)]
+    limit = text_tokens - 1 + 4
+    cfg = DataConfig(max_prompt_length=limit, min_pixels=28 * 28, max_pixels=112 * 112)
+    dataset = PromptDataset(datasets.Dataset.from_list(rows), cfg, processor.tokenizer, "sizes", processor)
+    assert dataset.num_filtered == 1 and dataset[0]["ground_truth"] == "56"
+    inputs = processor(text=[dataset[0]["prompt"]], images=dataset[0]["images"])
+    assert len(inputs["input_ids"][0]) == limit  # the processor's expansion is what was counted
+    with pytest.raises(ValueError, match="raise --data.max-prompt-length or lower --data.max-pixels"):
+        PromptDataset(datasets.Dataset.from_list(rows), DataConfig(max_prompt_length=limit - 1, min_pixels=28 * 28,
+                      max_pixels=112 * 112), processor.tokenizer, "sizes", processor)
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"problem": "<image><image>", "images": [png((28, 28))]}, "row 0: 2 <image> placeholders for 1 images"),
+    ({"problem": "no placeholder", "images": [png((28, 28))]}, "row 0: 0 <image> placeholders for 1 images"),
+    ({"problem": "<image>", "images": ["missing.png"]}, "row 0, image 0: cannot read image file .*missing.png"),
+    ({"problem": "<image>", "images": [b"not an image"]}, "row 0, image 0: cannot read image 12 bytes"),
+    ({"problem": "<image>", "images": [[1, 2]]}, "row 0, image 0: an image must be a PIL image"),
+])
+def test_image_row_errors_name_the_row(processor, row, message):
+    rows = datasets.Dataset.from_list([{**row, "answer": "1"}])
+    with pytest.raises(ValueError, match=f"'bad', {message}"):
+        PromptDataset(rows, DataConfig(), processor.tokenizer, "bad", processor)
+
+
+def test_image_rows_need_a_vision_language_model(tokenizer):
+    rows = datasets.Dataset.from_list([{"problem": "<image>", "answer": "1", "images": [png((28, 28))]}])
+    with pytest.raises(ValueError, match="row 0 has images, but the model has no processor"):
+        PromptDataset(rows, DataConfig(), tokenizer, "vqa")
 
 
 def test_overlong_prompts_are_dropped(tmp_path, tokenizer):
