@@ -8,8 +8,9 @@ Design decisions:
   on the CPU would crash there (and pass silently under gloo). Reduced values stay on the device until
   the loop logs them (`to_floats`), one host sync per step instead of one per number.
 - `fully_shard` on every block named in the model's `_no_split_modules` (decoder layers, and vision
-  blocks for VLMs), then on the root, as torchtitan does. bf16 compute with fp32 master weights and
-  fp32 gradient reduction on GPU; plain fp32 on CPU (no fast bf16 matmul path worth the rounding there).
+  blocks for VLMs), on a VLM's vision tower, then on the root, as torchtitan does. bf16 compute with fp32
+  master weights and fp32 gradient reduction on GPU; plain fp32 on CPU (no fast bf16 matmul path worth the
+  rounding there).
 - Loading without a full model copy per rank: every rank builds the model on the meta device and
   shards it; only rank 0 reads the checkpoint, and `set_model_state_dict(broadcast_from_rank0=True)`
   sends each rank its shards. Non-persistent buffers (rotary `inv_freq`) are not in a state dict, so
@@ -34,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from vision import is_vision_language, keep_vision_tower_in_step
 
 
 def init_distributed(timeout_minutes: float = 30) -> tuple[int, int, torch.device]:
@@ -84,8 +87,8 @@ def to_floats(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
 
 def model_class(config):
     """The transformers Auto class of a checkpoint: image-text-to-text for vision-language models (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL: a `vision_config`), causal LM otherwise."""
-    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    Qwen2.5-VL, Qwen3-VL), causal LM otherwise."""
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 
 
 def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: torch.dtype = torch.float32,
@@ -106,6 +109,9 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
     for module in model.modules():
         if type(module).__name__ in block_names:
             fully_shard(module, mp_policy=mixed_precision)
+    if is_vision_language(config):  # the vision tower's own unit (its embedding, merger), then every forward runs it
+        fully_shard(model.model.visual, mp_policy=mixed_precision)
+        keep_vision_tower_in_step(model)
     fully_shard(model, mp_policy=mixed_precision)
     model.to_empty(device=device)
 

@@ -48,6 +48,7 @@ from metrics import PhaseTimer, logprob_metrics, peak_memory_gib, score_metrics,
 from rewards import RewardConfig, RewardFunction, RewardInput
 from rollout import Response, RolloutConfig, build_rollout, vllm_environment
 from tiny import resolve_model
+from vision import PLACEHOLDER_BIAS, expand_prompt, placeholder_token_ids, vision_inputs
 from trackers import Trackers, check_loggers
 
 
@@ -73,6 +74,8 @@ class ActorConfig:
     """Sequences per forward/backward on each rank (gradient accumulation over the mini-batch)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    freeze_vision_tower: bool = False
+    """Vision-language models: train the language model only; the vision tower keeps its weights."""
 
 
 @dataclass
@@ -498,10 +501,6 @@ def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: C
     kept, generated = [], 0
     for rounds in range(1, algo.max_sampling_rounds + 1):
         items = loader.next_batch()
-        if any(item["images"] for item in items):
-            raise SystemExit("dataset rows with images: the engine generates from them, but the trainer's forward does "
-                             "not take pixels yet, so its log-probs would not be those of the samples; train on text rows "
-                             "(--data.image-key a column the dataset lacks ignores the images)")
         with timer("generate"):
             responses = rollout.generate(items, version)
             greedy = rollout.generate(items, version, greedy=True) if algo.adv_estimator == "remax" else None
@@ -525,11 +524,13 @@ def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: C
 
 
 def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
-               rollout_logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu") -> dict:
+               rollout_logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu",
+               vision: list[dict | None] | None = None) -> dict:
     """Right-padded [prompt | response] sequences plus the response layout used by every loss, on `device`.
 
     Built on the host and moved once. `rollout_logprobs` (the engine's log-prob of each sampled token)
-    rides along as `rollout_logprobs` [B, R], zero on padding.
+    rides along as `rollout_logprobs` [B, R], zero on padding. `vision`: each row's image tensors
+    (vision.expand_prompt; None for a text row), kept as a list and moved with each micro-batch.
     """
     B = len(prompt_ids)
     T = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
@@ -552,7 +553,8 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
         batch["rollout_logprobs"] = torch.zeros(B, R)  # [B, R]
         for b, logprobs in enumerate(rollout_logprobs):
             batch["rollout_logprobs"][b, : len(logprobs)] = torch.tensor(logprobs)
-    return {k: v.to(device) for k, v in batch.items()}
+    batch = {k: v.to(device) for k, v in batch.items()}
+    return {**batch, "vision": vision} if vision is not None else batch
 
 
 def select(batch: dict, index) -> dict:
@@ -560,14 +562,23 @@ def select(batch: dict, index) -> dict:
 
 
 def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
-    """log pi(response token | everything before it), logits divided by the sampling temperature -> [b, R]."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits  # [b, T, V]
+    """log pi(response token | everything before it), logits divided by the sampling temperature -> [b, R].
+
+    With images, the model gets their pixels and computes its own 3-D positions (vision.py); a vision-language
+    model's placeholder tokens get the engines' logit bias.
+    """
+    images = vision_inputs(model, batch["input_ids"], batch.get("vision"))
+    positions = {} if images else {"position_ids": batch["position_ids"]}
+    logits = model(input_ids=batch["input_ids"], use_cache=False, **positions, **images).logits  # [b, T, V]
     R = batch["responses"].shape[1]
     # response token t of sample b sits at position prompt_length_b + t, predicted from the position before
     offsets = torch.arange(R, device=logits.device)  # [R]
     positions = (batch["prompt_lengths"][:, None] - 1 + offsets).clamp(max=logits.shape[1] - 1)  # [b, R]
-    logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))  # [b, R, V]
-    logprobs = F.log_softmax(logits.float() / temperature, dim=-1)
+    logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1])).float()  # [b, R, V]
+    placeholders = placeholder_token_ids(model.config)
+    if placeholders:
+        logits[..., placeholders] += PLACEHOLDER_BIAS
+    logprobs = F.log_softmax(logits / temperature, dim=-1)
     return logprobs.gather(-1, batch["responses"][..., None]).squeeze(-1)  # [b, R]
 
 
@@ -735,6 +746,10 @@ def main(cfg: Config) -> None:
     actor = load_sharded_model(model_path, device, trainable=True, gradient_checkpointing=cfg.actor.gradient_checkpointing)
     ref_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen: no fp32 master copy needed
     ref = load_sharded_model(model_path, device, trainable=False, dtype=ref_dtype) if uses_kl else None  # no KL: none
+    if cfg.actor.freeze_vision_tower:
+        if processor is None:
+            raise SystemExit(f"--actor.freeze-vision-tower: {cfg.actor.model_path} has no vision tower")
+        actor.model.visual.requires_grad_(False)
     optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.actor.lr, betas=cfg.actor.betas,
                                   weight_decay=cfg.actor.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.actor, cfg.trainer.total_steps))
@@ -772,9 +787,12 @@ def main(cfg: Config) -> None:
             groups, metrics = collect_rollouts(rollout, loader, reward_fn, tokenizer, cfg, step - 1, timer, device)
             rollout.sleep()
             responses = [r for g in groups for r in g.responses]
-            batch = make_batch([g.item["prompt_ids"] for g in groups for _ in g.responses],
+            prompts = [expand_prompt(processor, g.item) if processor else (g.item["prompt_ids"], None) for g in groups]
+            batch = make_batch([ids for (ids, _), g in zip(prompts, groups) for _ in g.responses],
                                [r.token_ids for r in responses], tokenizer.pad_token_id,
-                               [r.logprobs for r in responses], device)
+                               [r.logprobs for r in responses], device,
+                               [images for (_, images), g in zip(prompts, groups) for _ in g.responses]
+                               if processor else None)
             mask = batch["response_mask"]
 
             # ---- log-probs ---------------------------------------------------------------------------

@@ -39,7 +39,9 @@ import argparse
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
+
+from fsdp_utils import model_class
 
 GiB = 2**30
 OVERHEAD = "CUDA context, NCCL, fragmentation"
@@ -56,7 +58,7 @@ def _parameter_counts(model_config) -> tuple[int, int, int]:
     holds the rest (embeddings, final norm, untied output head). Tied weights are counted once.
     """
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = model_class(model_config).from_config(model_config)
     names = set(model._no_split_modules or [])
     blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names]
     total = sum(p.numel() for p in model.parameters())  # parameters() yields a shared (tied) tensor once

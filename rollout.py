@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from data import PromptItem
 from fsdp_utils import gathered, stream_full_weights
+from vision import PLACEHOLDER_BIAS, placeholder_token_ids
 
 
 @dataclass
@@ -192,6 +193,9 @@ class VLLMRollout:
         if tp > 1:  # every rank creates every group, in the same order (new_group is collective)
             groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, dist.get_world_size(), tp)]
             self.tp_group = groups[dist.get_rank() // tp]
+        # a vision-language model's image/video placeholders: never sampled (vision.py says why)
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.logit_bias = {t: PLACEHOLDER_BIAS for t in placeholder_token_ids(hf_config)}
         self.seeds, self.device = SeedStream(cfg.seed, engine_index), device
         self.weights_version = 0  # the training step whose weights the engine holds (0: the checkpoint)
         self.asleep = False  # awake with the checkpoint's weights until the first rollout is done
@@ -259,7 +263,7 @@ class VLLMRollout:
             first = sum(len(part) for part in pooled[: dist.get_rank() % self.cfg.tensor_parallel_size])
             requests, mine = [r for part in pooled for r in part], slice(first, first + len(requests))
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
-                                max_tokens=self.cfg.max_response_length, logprobs=0)
+                                max_tokens=self.cfg.max_response_length, logprobs=0, logit_bias=self.logit_bias or None)
         with sampling_rng(self.seeds.next(version, call_purpose(validation, greedy)), self.device):
             outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
         return [[Response(token_ids=list(o.token_ids),
@@ -340,7 +344,7 @@ class HFRollout:
         for i, p in enumerate(prompts):
             input_ids[i, P - len(p["prompt_ids"]):] = torch.tensor(p["prompt_ids"])
             attention_mask[i, P - len(p["prompt_ids"]):] = 1
-        recorder = _SampledLogprobs(temperature, top_p, self.cfg.top_k)
+        recorder = _SampledLogprobs(temperature, top_p, self.cfg.top_k, placeholder_token_ids(self.model.config))
         config = GenerationConfig(do_sample=not greedy, num_return_sequences=n, max_new_tokens=self.cfg.max_response_length,
                                   temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
                                   eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
@@ -372,16 +376,20 @@ class _SampledLogprobs:
     `output_scores` would hold. Greedy (temperature 0): the raw logits, as vLLM reports.
     """
 
-    def __init__(self, temperature: float, top_p: float, top_k: int):
+    def __init__(self, temperature: float, top_p: float, top_k: int, placeholders: list[int]):
         from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-        self.temperature = temperature
+        self.temperature, self.placeholders = temperature, placeholders
         self.warpers = ([TopKLogitsWarper(top_k)] if top_k > 0 else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
         self.previous, self.logprobs = None, []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.previous is not None:
             self.logprobs.append(self.previous.gather(1, input_ids[:, -1:]))  # [rows, 1]
+        if self.placeholders:  # before the temperature, as vLLM applies its logit bias
+            scores = scores.index_add(1, torch.tensor(self.placeholders, device=scores.device),
+                                      torch.full((scores.shape[0], len(self.placeholders)), PLACEHOLDER_BIAS,
+                                                 device=scores.device, dtype=scores.dtype))
         if self.temperature > 0:
             scores = scores / self.temperature
             for warper in self.warpers:

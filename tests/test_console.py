@@ -5,8 +5,6 @@ test_train.py."""
 import subprocess
 import sys
 
-from PIL import Image
-
 from conftest import ROOT, free_port
 
 FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
@@ -51,11 +49,3 @@ def test_a_reward_function_that_raises_names_itself_without_a_traceback(tmp_path
     assert "error: reward" in proc.stderr and "the reward is broken" in proc.stderr, proc.stderr
     assert not our_tracebacks(proc.stdout + proc.stderr), proc.stderr
 
-
-def test_image_rows_stop_the_run_until_the_trainer_takes_pixels(tmp_path):
-    Image.new("RGB", (28, 28), (255, 0, 0)).save(tmp_path / "red.png")
-    data = tmp_path / "images.jsonl"
-    data.write_text('{"problem": "<image>which colour?", "answer": "red", "images": ["red.png"]}\n' * 16)
-    proc = failing_torchrun(["--data.train-files", str(data), "--data.val-files", "", "--data.image-dir", str(tmp_path),
-                             "--actor.model-path", "tiny:qwen2_vl"], tmp_path)
-    assert proc.stderr.count("error: dataset rows with images") == 1, proc.stderr

@@ -23,6 +23,7 @@ from fsdp_utils import all_reduce, sum_over_ranks, to_floats
 from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, Config, Group, aggregate,
                   backward_mini_batch, batched_logprobs, kl_penalty, make_batch, response_logprobs, token_rewards)
 from metrics import logprob_metrics, score_metrics
+from vision import vision_inputs
 
 DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_object")
@@ -56,10 +57,12 @@ def device(request, monkeypatch):
 
 
 class StandIn(torch.nn.Module):
-    """A tiny causal LM with transformers' calling convention (a real one cannot run on meta end to end)."""
+    """A tiny causal LM with transformers' calling convention (a real one cannot run on meta end to end), and a
+    vision-language model's config, so the placeholder-token bias runs too."""
 
     def __init__(self, vocab: int = 16, hidden: int = 8):
         super().__init__()
+        self.config = SimpleNamespace(vision_config={}, image_token_id=14, video_token_id=15)
         self.embed, self.position, self.head = (torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(32, hidden),
                                                 torch.nn.Linear(hidden, vocab))
 
@@ -89,6 +92,16 @@ def test_batch_and_logprobs_stay_on_the_device(device):
     logprobs = response_logprobs(model, batch, temperature=0.7)  # the GPU crash of issue 6 lived here
     assert logprobs.shape == batch["response_mask"].shape
     assert_on(device, logprobs, batched_logprobs(model, batch, 0.7, micro_batch_size=3))
+
+
+def test_image_inputs_follow_the_batch_to_its_device(device):
+    """The image tensors come from the processor on the host; the forward gets them on the batch's device."""
+    input_ids = torch.tensor([[1, 14, 14, 5], [1, 5, 6, 0]], device=device)
+    rows = [{"pixel_values": torch.zeros(8, 6), "image_grid_thw": torch.tensor([[1, 2, 4]])}, None]
+    inputs = vision_inputs(StandIn(), input_ids, rows)
+    assert inputs["pixel_values"].shape == (8, 6) and inputs["mm_token_type_ids"].shape == (2, 4)
+    assert_on(device, *inputs.values())
+    assert vision_inputs(StandIn(), input_ids, [None, None]) == {}
 
 
 @pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))

@@ -63,7 +63,8 @@ class RecordingLLM:
             f"reload {len(list(weights_iterator))} tensors"), model_runner=SimpleNamespace(model=torch.nn.Module()))
         executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker))
         self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(model_executor=executor)),
-                                          reset_encoder_cache=lambda: self.calls.append("reset encoder cache"))
+                                          reset_encoder_cache=lambda: self.calls.append("reset encoder cache"),
+                                          model_config=SimpleNamespace(hf_config=SimpleNamespace()))  # a text model
 
     def sleep(self, level):
         self.calls.append(f"sleep {level}")
