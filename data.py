@@ -16,6 +16,7 @@ Dataset format: one row per prompt; the column names are flags (--data.prompt-ke
 
 Where the rows come from (`name[@split]`, split `train` unless given):
     toy                      the built-in task "most common digit" (toy_rows): splits train and test
+    toy_vision               the built-in visual task "which colour fills the picture" (toy_vision_rows)
     data/math12k.parquet     one parquet, json, jsonl or csv file: the file is the split (no @split)
     data/math12k@test        a folder of such files, split by file name (train.jsonl, test-0000.parquet)
     hiyouga/math12k@test     a Hugging Face Hub dataset id (needs the network or a filled HF cache)
@@ -99,6 +100,28 @@ def toy_rows(split: str) -> list[dict]:
     return rows
 
 
+COLOURS = {"r": (220, 30, 30), "g": (30, 200, 30), "b": (30, 30, 220), "c": (30, 200, 200),
+           "m": (200, 30, 200), "y": (220, 220, 30), "k": (10, 10, 10), "w": (245, 245, 245)}
+
+
+def toy_vision_rows(split: str) -> list[dict]:
+    """The built-in visual task "which colour fills the picture": a picture (28 to 84 pixels a side) filled with
+    one of 8 colours; answer its letter (r g b c m y k w) and stop. train: 1024 rows, test: 50, seeded.
+
+    >>> row = toy_vision_rows("test")[0]; row["problem"], row["answer"], row["images"][0].size
+    ('<image>', 'g', (84, 28))
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"the toy_vision dataset has the splits 'train' and 'test', not {split!r}")
+    rng = random.Random(0 if split == "train" else 1)
+    rows = []
+    for _ in range(1024 if split == "train" else 50):
+        letter = rng.choice(sorted(COLOURS))
+        size = (28 * rng.randint(1, 3), 28 * rng.randint(1, 3))
+        rows.append({"problem": "<image>", "answer": letter, "images": [Image.new("RGB", size, COLOURS[letter])]})
+    return rows
+
+
 def parse_spec(spec: str) -> tuple[str, str | None]:
     """`name[@split]` -> (name, split or None). `data/x.jsonl@test` -> ("data/x.jsonl", "test")."""
     name, at, split = spec.rpartition("@")
@@ -121,6 +144,8 @@ def load_rows(spec: str) -> datasets.Dataset:
     path = Path(name).expanduser()
     if name == "toy":
         return datasets.Dataset.from_list(toy_rows(split or "train"))
+    if name == "toy_vision":
+        return datasets.Dataset.from_list(toy_vision_rows(split or "train"))
     if path.is_file():
         if split is not None:
             raise ValueError(f"dataset {spec!r}: a single file has no splits, the file is the split; "

@@ -1,6 +1,7 @@
 """Learning on the built-in task, from random weights (the slowest tests: minutes on 2 CPU cores).
 
-GRPO: the exact default job a newcomer runs climbs from chance to >= 0.8, with either rollout engine.
+GRPO: the exact default job a newcomer runs climbs from chance to >= 0.8, with either rollout engine; so does
+the built-in visual task (`toy_vision`: a tiny VLM, images through vLLM and FSDP2).
 RLOO and DAPO (their presets, 60 steps): the accuracy on the task rises clearly. DAPO has no KL to keep
 it exploring, so it learns the digit but not always to stop in that time; RLOO's KL-in-reward is too
 weak for that too.
@@ -26,6 +27,20 @@ def test_default_job_learns_the_builtin_task(tmp_path, engine):
     assert last >= 0.8, f"reward did not climb: first {rewards[0]:.3f}, mean of the last 5 steps {last:.3f}"
     assert metrics[-1]["val/reward_overall"] >= 0.8
     assert "done:" in output and "train reward" in output
+
+
+def test_a_tiny_vlm_learns_the_builtin_visual_task(tmp_path):
+    """`grpo.py toy_vision`: a random Qwen2.5-VL learns to name the colour that fills a picture, from images
+    through vLLM and FSDP2: 80 of the preset's 100 steps (measured: 0.007 at step 1, 0.94 over steps 76-80)."""
+    torchrun(["grpo.py", "toy_vision", "--trainer.output-dir", str(tmp_path), "--trainer.total-steps", "80"],
+             timeout=1200)
+    lines = [json.loads(line) for line in (tmp_path / "toy-grpo" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in lines if m["step"] > 0]
+    rewards = [m["train/reward_overall"] for m in metrics]
+    assert rewards[0] < 0.1, f"a random model should start near chance, got {rewards[0]}"
+    last = sum(rewards[-5:]) / 5
+    assert last >= 0.8, f"reward did not climb: first {rewards[0]:.3f}, mean of the last 5 steps {last:.3f}"
+    assert max(m["rollout/logprob_diff_max"] for m in metrics) < 1e-3
 
 
 @pytest.mark.parametrize("preset", ["rloo", "dapo"])
