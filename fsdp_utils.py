@@ -172,7 +172,8 @@ def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[
 
 
 def save_hf_model(model: FSDPModule, tokenizer, path: str | Path) -> None:
-    """Write a Hugging Face folder (safetensors + config + tokenizer) atomically: tmp folder, then rename."""
+    """Write a Hugging Face folder (safetensors + config + tokenizer, or a VLM's processor in its place)
+    atomically: tmp folder, then rename."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if getattr(model.config, "tie_word_embeddings", False):  # the head is the input embedding: store it once
         head = model.get_output_embeddings()

@@ -853,7 +853,7 @@ def main(cfg: Config) -> None:
             progress.advance(task)
 
     if cfg.trainer.save_final:
-        save_hf_model(actor, tokenizer, run_dir / "final")
+        save_hf_model(actor, processor or tokenizer, run_dir / "final")
     if history:
         first, last = history[0], history[-5:]
         console.print(f"done: steps {first['step']}-{history[-1]['step']} in {time.perf_counter() - start_time:.0f}s; "

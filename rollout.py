@@ -153,6 +153,8 @@ class VLLMRollout:
       processing is re-run after every sync.
     - Prefix caching on: the n samples of a prompt share one prefill. Its cache is reset at every sync,
       so no KV computed with old weights is ever reused; so is the encoder cache (vision embeddings).
+    - No multimodal processor cache (vLLM keeps up to 4 GiB of processed images per engine by default): an
+      image comes back only next epoch, so the cache would only grow, step after step.
     - CUDA graphs on GPU unless `--rollout.enforce-eager` (decoding is launch-bound for small batches);
       the CPU platform has no graphs, so it runs eagerly.
     - The sampling RNG (module docstring) is the device's default generator, which vLLM's sampler uses for
@@ -185,6 +187,7 @@ class VLLMRollout:
             enforce_eager=cfg.enforce_eager or not self.on_gpu,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            mm_processor_cache_gb=0,
             use_tqdm_on_load=show_progress,
             **memory,
         )

@@ -12,6 +12,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import grpo
 from conftest import ROOT, free_port, torchrun
@@ -88,14 +89,23 @@ def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, ar
         rows.append({"problem": "<image>" * len(names) + "colour?", "answer": "red", "images": names})
     data = tmp_path / "mixed.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    freeze = ["--actor.freeze-vision-tower"] if architecture == "qwen2_vl" else []
     torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--data.train-files", str(data),
               "--data.val-files", "", "--data.image-dir", str(tmp_path), "--data.no-shuffle", "--trainer.total-steps", "2",
-              "--trainer.output-dir", str(tmp_path), "--trainer.dist-timeout-minutes", "2", *FAST], timeout=300)
+              "--trainer.output-dir", str(tmp_path), "--trainer.dist-timeout-minutes", "2", *FAST, *freeze], timeout=300)
     metrics = read_metrics(tmp_path / "toy-grpo")
     assert len(metrics) == 2
     for m in metrics:
         assert all(math.isfinite(v) for v in m.values()), m
         assert m["rollout/logprob_diff_max"] < 1e-3, "the trainer and vLLM disagree on image samples"
+    # the trained model is a Hugging Face folder with its processor; a frozen vision tower kept its weights
+    final = tmp_path / "toy-grpo" / "final"
+    assert AutoProcessor.from_pretrained(final).image_processor.merge_size == 2
+    initial = AutoModelForImageTextToText.from_pretrained(tmp_path / "models" / f"tiny-{architecture}").state_dict()
+    trained = AutoModelForImageTextToText.from_pretrained(final).state_dict()
+    moved = {k for k in initial if not torch.equal(initial[k], trained[k])}
+    assert any(".language_model." in k for k in moved)
+    assert any(".visual." in k for k in moved) != bool(freeze), sorted(moved)
 
 
 def test_tensor_parallel_rollout(tmp_path):
