@@ -90,11 +90,15 @@ def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, ar
     data = tmp_path / "mixed.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     freeze = ["--actor.freeze-vision-tower"] if architecture == "qwen2_vl" else []
+    # the R1-V recipe of the CLEVR and GeoQA presets, wired end to end: its template keeps the <image> placeholders
+    r1v = (["--reward.function", "r1v", "--data.format-prompt", "templates/r1v.jinja", "--data.max-prompt-length", "640"]
+           if architecture == "qwen3_vl" else [])
     torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--data.train-files", str(data),
               "--data.val-files", "", "--data.image-dir", str(tmp_path), "--data.no-shuffle", "--trainer.total-steps", "2",
-              "--trainer.output-dir", str(tmp_path), "--trainer.dist-timeout-minutes", "2", *FAST, *freeze], timeout=300)
+              "--trainer.output-dir", str(tmp_path), "--trainer.dist-timeout-minutes", "2", *FAST, *freeze, *r1v],
+             timeout=300)
     metrics = read_metrics(tmp_path / "toy-grpo")
-    assert len(metrics) == 2
+    assert len(metrics) == 2 and ("train/reward_format" in metrics[0]) == bool(r1v)
     for m in metrics:
         assert all(math.isfinite(v) for v in m.values()), m
         assert m["rollout/logprob_diff_max"] < 1e-3, "the trainer and vLLM disagree on image samples"
