@@ -48,7 +48,7 @@ from metrics import PhaseTimer, logprob_metrics, peak_memory_gib, score_metrics,
 from rewards import RewardConfig, RewardFunction, RewardInput
 from rollout import Response, RolloutConfig, build_rollout, vllm_environment
 from tiny import resolve_model
-from vision import PLACEHOLDER_BIAS, expand_prompt, placeholder_token_ids, vision_inputs
+from vision import PLACEHOLDER_BIAS, expand_prompt, is_vision_language, placeholder_token_ids, vision_inputs
 from trackers import Trackers, check_loggers
 
 
@@ -726,8 +726,7 @@ def main(cfg: Config) -> None:
     # ---- data, reward, models, engine ------------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # a vision-language model's processor renders prompts with images and knows what an image costs in tokens
-    processor = AutoProcessor.from_pretrained(model_path) if hasattr(AutoConfig.from_pretrained(model_path),
-                                                                     "vision_config") else None
+    processor = AutoProcessor.from_pretrained(model_path) if is_vision_language(AutoConfig.from_pretrained(model_path)) else None
     train_set = PromptDataset(load_rows(cfg.data.train_files), cfg.data, tokenizer, cfg.data.train_files, processor)
     val_set = (PromptDataset(load_rows(cfg.data.val_files), cfg.data, tokenizer, cfg.data.val_files, processor)
                if cfg.data.val_files else None)
