@@ -48,8 +48,8 @@ from metrics import PhaseTimer, logprob_metrics, peak_memory_gib, score_metrics,
 from rewards import RewardConfig, RewardFunction, RewardInput
 from rollout import Response, RolloutConfig, build_rollout, vllm_environment
 from tiny import resolve_model
-from vision import PLACEHOLDER_BIAS, expand_prompt, is_vision_language, placeholder_token_ids, vision_inputs
 from trackers import Trackers, check_loggers
+from vision import PLACEHOLDER_BIAS, expand_prompt, is_vision_language, placeholder_token_ids, vision_inputs
 
 
 @dataclass
