@@ -9,12 +9,15 @@ Design decisions:
   the loop logs them (`to_floats`), one host sync per step instead of one per number.
 - `fully_shard` on every block named in the model's `_no_split_modules` (decoder layers, and vision
   blocks for VLMs), on a VLM's vision tower, then on the root, as torchtitan does. bf16 compute with fp32
-  master weights and fp32 gradient reduction on GPU; plain fp32 on CPU (no fast bf16 matmul path worth the
-  rounding there).
+  master weights (or bf16 ones, --actor.dtype) and fp32 gradient reduction on GPU; plain fp32 on CPU (no
+  fast bf16 matmul path worth the rounding there).
 - Loading without a full model copy per rank: every rank builds the model on the meta device and
-  shards it; only rank 0 reads the checkpoint, and `set_model_state_dict(broadcast_from_rank0=True)`
-  sends each rank its shards. Non-persistent buffers (rotary `inv_freq`) are not in a state dict, so
-  they are broadcast from rank 0's copy too.
+  shards it; only rank 0 reads the checkpoint and broadcasts one tensor at a time, through the training
+  device, and each rank keeps its shard (torch's `set_model_state_dict(broadcast_from_rank0=True)`
+  broadcasts from where the shards live, the host under CPU offload, which NCCL cannot). Non-persistent
+  buffers (rotary `inv_freq`) travel the same way.
+- Memory options: FSDP2's CPU offload (the shards, gradients and optimizer states in host memory for the
+  whole run), or `move_training_state` (everything to the host while the engine generates, back to train).
 """
 
 import json
@@ -27,15 +30,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+from attention import attention_implementation
 from vision import is_vision_language, keep_vision_tower_in_step
 
 
@@ -92,37 +92,45 @@ def model_class(config):
 
 
 def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: torch.dtype = torch.float32,
-                       gradient_checkpointing: bool = False):
+                       gradient_checkpointing: bool = False, cpu_offload: bool = False):
     """Build the HF model on the meta device, shard it with FSDP2, fill it from rank 0's checkpoint.
 
-    `dtype` is the stored (master) dtype: fp32 for the actor; the frozen reference needs no fp32 master
-    copy, so on GPU it is stored in bf16, half the memory.
+    `dtype` is the stored (master) dtype: fp32 for the actor unless --actor.dtype says otherwise; the frozen
+    reference needs no fp32 master copy, so on GPU it is stored in bf16, half the memory. `cpu_offload`: FSDP2
+    keeps the parameters, gradients and optimizer states in CPU memory and copies each unit to the device
+    for its forward and backward.
     """
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = model_class(config).from_config(config, dtype=dtype)
+        model = model_class(config).from_config(config, dtype=dtype, attn_implementation=attention_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mixed_precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                        if device.type == "cuda" else MixedPrecisionPolicy())
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     block_names = set(model._no_split_modules or [])
     for module in model.modules():
         if type(module).__name__ in block_names:
-            fully_shard(module, mp_policy=mixed_precision)
+            fully_shard(module, mp_policy=mixed_precision, offload_policy=offload)
     if is_vision_language(config):  # the vision tower's own unit (its embedding, merger), then every forward runs it
-        fully_shard(model.model.visual, mp_policy=mixed_precision)
+        fully_shard(model.model.visual, mp_policy=mixed_precision, offload_policy=offload)
         keep_vision_tower_in_step(model)
-    fully_shard(model, mp_policy=mixed_precision)
-    model.to_empty(device=device)
+    fully_shard(model, mp_policy=mixed_precision, offload_policy=offload)
+    model.to_empty(device="cpu" if cpu_offload else device)
+    for module in model.modules() if cpu_offload else []:  # FSDP2 offloads the parameters; buffers stay on the device
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
 
     full = model_class(config).from_pretrained(path, dtype=dtype) if dist.get_rank() == 0 else None
-    set_model_state_dict(model, full.state_dict() if full is not None else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    full_buffers = dict(full.named_buffers()) if full is not None else {}
-    for name, buffer in model.named_buffers():
-        if full is not None:
-            buffer.copy_(full_buffers[name])
-        dist.broadcast(buffer, src=0)
+    full = {**dict(full.named_parameters()), **dict(full.named_buffers())} if full is not None else {}
+    with torch.no_grad():  # every tensor through the training device (NCCL moves GPU tensors only); each rank keeps its shard
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            source = full[name].to(device) if full else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            dist.broadcast(source, src=0)
+            if isinstance(tensor, DTensor):
+                source = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+                tensor = tensor.to_local()
+            tensor.copy_(source)
     del full
     if trainable:  # losses are normalised by global counts already: the gradient is the sum over ranks
         for module in model.modules():
@@ -132,6 +140,24 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
     model.requires_grad_(trainable)
     model.train(trainable)
     return model
+
+
+def move_training_state(device: torch.device | str, models: list, optimizer: torch.optim.Optimizer | None) -> None:
+    """Move sharded models and an optimizer's states (AdamW's moments; its step counts stay on the host) to
+    `device`: to the CPU while the engine generates, back for training (--actor.offload-while-generating).
+
+    FSDP2 moves its sharded parameters with `module.to`; the cached blocks of freed GPU memory are returned
+    to the driver so the engine can allocate them.
+    """
+    for model in models:
+        model.to(device)
+    for state in optimizer.state.values() if optimizer is not None else []:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+    if torch.device(device).type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 @contextmanager

@@ -11,14 +11,15 @@ One training step:
     generate (vLLM) -> rewards -> old/ref log-probs -> advantages -> PPO epochs x mini-batches x
     micro-batches (loss, backward), clip, optimizer step -> LR step -> sync weights into vLLM -> validate,
     log (trackers.py) -> save a checkpoint
+    (with one optimizer step per rollout batch the old log-probs are the update's own: no pass of their own)
 Design decisions:
 - The algorithm is a handful of pure tensor functions (ALGORITHM banner) registered by name; the rest is
   plumbing. Semantics follow EasyR1 (its 0.3.x line); deviations are stated where made and in the README.
 - Each rank generates for its own prompts, so a prompt's group of n responses lives on one rank and
   group statistics need no communication. Losses are normalised by global counts (all-reduced), so
   the gradient does not depend on how samples are split over ranks or micro-batches.
-- Sequences are [prompt | response | padding] (right padding): causal attention never looks at the
-  padding, so no attention mask is needed, and response tokens are gathered per sample from the logits.
+- The batch holds [prompt | response | padding] rows; each micro-batch is packed into one padding-free row
+  for the forward, and the output head runs on the response positions only, in chunks (logprobs.py).
 """
 
 import dataclasses
@@ -42,14 +43,17 @@ from torch.distributed.tensor import DTensor
 from checkpoints import agree_on_resume_point, load_checkpoint, prepare_run_folder, save_checkpoint
 from console import parse_quietly, quiet_libraries, run
 from data import DataConfig, PromptDataset, PromptItem, PromptLoader, load_rows, shard
-from fsdp_utils import all_reduce, init_distributed, load_sharded_model, save_hf_model, sum_over_ranks, to_floats
+from fsdp_utils import (all_reduce, init_distributed, load_sharded_model, move_training_state, save_hf_model,
+                        sum_over_ranks, to_floats)
+from logprobs import batched_logprobs, make_batch, micro_batches, response_logprobs, select
 from memory import check_run_memory
 from metrics import PhaseTimer, logprob_metrics, peak_memory_gib, score_metrics, step_line
+from optimizer import build_optimizer, lr_lambda
 from rewards import RewardConfig, RewardFunction, RewardInput
 from rollout import Response, RolloutConfig, build_rollout, vllm_environment
 from tiny import resolve_model
 from trackers import Trackers, check_loggers
-from vision import PLACEHOLDER_BIAS, expand_prompt, is_vision_language, placeholder_token_ids, vision_inputs
+from vision import expand_prompt, is_vision_language
 
 
 @dataclass
@@ -72,8 +76,20 @@ class ActorConfig:
     """Cosine schedule: final LR as a fraction of the peak."""
     micro_batch_size: int = 64
     """Sequences per forward/backward on each rank (gradient accumulation over the mini-batch)."""
+    max_tokens_per_micro_batch: int = 0
+    """Form micro-batches by this token budget instead of --actor.micro-batch-size, the same number on every rank (0: off)."""
+    padding_free: bool = True
+    """Pack each micro-batch's sequences into one row, no padding (flash-attn varlen on GPU; logprobs.py)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Stored (master) dtype of the actor's parameters; on GPU the compute is bf16 either way."""
+    optimizer: Literal["adamw", "adamw_bf16"] = "adamw"
+    """adamw: torch's AdamW (moments in the parameters' dtype); adamw_bf16: bf16 moments, fp32 arithmetic (optimizer.py)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP2 CPU offload: parameters, gradients and AdamW states live in CPU memory (slow; for models that do not fit)."""
+    offload_while_generating: bool = False
+    """Move the actor, reference and AdamW states to CPU memory while vLLM generates, so the engine can use that memory."""
     freeze_vision_tower: bool = False
     """Vision-language models: train the language model only; the vision tower keeps its weights."""
 
@@ -523,89 +539,30 @@ def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: C
     return kept, {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": totals["kept"] / totals["generated"]}
 
 
-def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
-               rollout_logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu",
-               vision: list[dict | None] | None = None) -> dict:
-    """Right-padded [prompt | response] sequences plus the response layout used by every loss, on `device`.
-
-    Built on the host and moved once. `rollout_logprobs` (the engine's log-prob of each sampled token)
-    rides along as `rollout_logprobs` [B, R], zero on padding. `vision`: each row's image tensors
-    (vision.expand_prompt; None for a text row), kept as a list and moved with each micro-batch.
-    """
-    B = len(prompt_ids)
-    T = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
-    R = max(1, max(len(r) for r in response_ids))
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)  # [B, T]
-    responses = torch.full((B, R), pad_id, dtype=torch.long)  # [B, R]
-    response_mask = torch.zeros(B, R)  # [B, R]
-    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        input_ids[b, : len(p) + len(r)] = torch.tensor(p + r)
-        responses[b, : len(r)] = torch.tensor(r)
-        response_mask[b, : len(r)] = 1
-    batch = {
-        "input_ids": input_ids,
-        "position_ids": torch.arange(T).expand(B, T),  # [B, T]; 3-D (mrope) for vision-language models
-        "prompt_lengths": torch.tensor([len(p) for p in prompt_ids]),  # [B]
-        "responses": responses,
-        "response_mask": response_mask,
-    }
-    if rollout_logprobs is not None:
-        batch["rollout_logprobs"] = torch.zeros(B, R)  # [B, R]
-        for b, logprobs in enumerate(rollout_logprobs):
-            batch["rollout_logprobs"][b, : len(logprobs)] = torch.tensor(logprobs)
-    batch = {k: v.to(device) for k, v in batch.items()}
-    return {**batch, "vision": vision} if vision is not None else batch
-
-
-def select(batch: dict, index) -> dict:
-    return {k: v[index] for k, v in batch.items()}
-
-
-def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
-    """log pi(response token | everything before it), logits divided by the sampling temperature -> [b, R].
-
-    With images, the model gets their pixels and computes its own 3-D positions (vision.py); a vision-language
-    model's placeholder tokens get the engines' logit bias.
-    """
-    images = vision_inputs(model, batch["input_ids"], batch.get("vision"))
-    positions = {} if images else {"position_ids": batch["position_ids"]}
-    logits = model(input_ids=batch["input_ids"], use_cache=False, **positions, **images).logits  # [b, T, V]
-    R = batch["responses"].shape[1]
-    # response token t of sample b sits at position prompt_length_b + t, predicted from the position before
-    offsets = torch.arange(R, device=logits.device)  # [R]
-    positions = (batch["prompt_lengths"][:, None] - 1 + offsets).clamp(max=logits.shape[1] - 1)  # [b, R]
-    logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1])).float()  # [b, R, V]
-    placeholders = placeholder_token_ids(model.config)
-    if placeholders:
-        logits[..., placeholders] += PLACEHOLDER_BIAS
-    logprobs = F.log_softmax(logits / temperature, dim=-1)
-    return logprobs.gather(-1, batch["responses"][..., None]).squeeze(-1)  # [b, R]
-
-
-@torch.no_grad()
-def batched_logprobs(model, batch: dict, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    B = batch["input_ids"].shape[0]
-    return torch.cat([response_logprobs(model, select(batch, slice(i, i + micro_batch_size)), temperature)
-                      for i in range(0, B, micro_batch_size)])
-
-
 def backward_mini_batch(model, batch: dict, old_logprobs, ref_logprobs, advantages, cfg: Config) -> dict:
     """Loss and backward over the micro-batches of one mini-batch (this rank's share of it).
 
     The accumulated gradient equals that of the whole mini-batch on all ranks at once: every micro-batch's
     loss is already divided by the global count (aggregate), and FSDP sums gradients over ranks instead of
-    averaging them (fsdp_utils.load_sharded_model). Returns sums of per-token statistics (and the token
-    count) for logging, as tensors on the batch's device.
+    averaging them (fsdp_utils.load_sharded_model). `old_logprobs` None: the batch is on-policy (one optimizer
+    step per rollout batch), so the old log-probs are this forward's own, detached, and returned as
+    sums["old_logprobs"]. Returns sums of per-token statistics (and the token count) for logging, as tensors
+    on the batch's device.
     """
     algo = cfg.algorithm
     mask = batch["response_mask"]
     counts = all_reduce({"tokens": mask.sum(), "sequences": mask.shape[0]}, mask.device)
     token_sum_norm = algo.token_sum_norm or cfg.rollout.max_response_length
     sums: dict[str, torch.Tensor] = {"tokens": mask.sum()}
-    for start in range(0, mask.shape[0], cfg.actor.micro_batch_size):
-        index = slice(start, start + cfg.actor.micro_batch_size)
-        micro, micro_mask = select(batch, index), mask[index]
-        logprobs = response_logprobs(model, micro, cfg.rollout.temperature)  # [b, R]
+    on_policy = old_logprobs is None
+    if on_policy:
+        old_logprobs = torch.zeros_like(mask)  # [B, R], filled micro-batch by micro-batch below
+    for rows in micro_batches(batch, cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch):
+        index = torch.tensor(rows, device=mask.device)
+        micro, micro_mask = select(batch, rows), mask[index]
+        logprobs = response_logprobs(model, micro, cfg.rollout.temperature, cfg.actor.padding_free)  # [b, R]
+        if on_policy:
+            old_logprobs[index] = logprobs.detach()
         loss, stats = POLICY_LOSSES[algo.loss_type](logprobs=logprobs, old_logprobs=old_logprobs[index],
                                                     advantages=advantages[index], mask=micro_mask, cfg=algo)
         stats["actor/pg_loss"] = loss.detach()
@@ -617,20 +574,28 @@ def backward_mini_batch(model, batch: dict, old_logprobs, ref_logprobs, advantag
                   global_sequences=counts["sequences"], token_sum_norm=token_sum_norm).backward()
         for key, value in stats.items():
             sums[key] = sums.get(key, 0.0) + (value * micro_mask).sum()
+    if on_policy:
+        sums["old_logprobs"] = old_logprobs
     return sums
 
 
-def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, advantages, cfg: Config) -> dict:
-    """PPO epochs x mini-batches, one optimizer step each (old log-probs were computed once, before)."""
+def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, advantages,
+                  cfg: Config) -> tuple[dict, torch.Tensor]:
+    """PPO epochs x mini-batches, one optimizer step each. Returns the metrics and the old log-probs [B, R]:
+    the ones given, or (`old_logprobs` None, on-policy: one epoch, one mini-batch) the update's own."""
     mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n // dist.get_world_size()
+    if old_logprobs is None and (cfg.trainer.ppo_epochs > 1 or batch["input_ids"].shape[0] > mini_batch):
+        raise ValueError("several optimizer steps per rollout batch need the old log-probs computed before the first")
     sums: dict[str, torch.Tensor] = {}
     grad_norms, skipped = [], 0
     for _ in range(cfg.trainer.ppo_epochs):
         for start in range(0, batch["input_ids"].shape[0], mini_batch):
             index = slice(start, start + mini_batch)
             ref = ref_logprobs[index] if ref_logprobs is not None else None
-            for key, value in backward_mini_batch(model, select(batch, index), old_logprobs[index], ref,
-                                                  advantages[index], cfg).items():
+            old = old_logprobs[index] if old_logprobs is not None else None
+            mini_sums = backward_mini_batch(model, select(batch, index), old, ref, advantages[index], cfg)
+            old_logprobs = mini_sums.pop("old_logprobs", old_logprobs)
+            for key, value in mini_sums.items():
                 sums[key] = sums.get(key, 0.0) + value
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.max_grad_norm)
             grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
@@ -644,7 +609,7 @@ def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, adv
     metrics = {k: v / totals["tokens"] for k, v in totals.items() if k != "tokens"}
     metrics.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/optimizer_steps": len(grad_norms),
                     "actor/skipped_steps": skipped})
-    return metrics
+    return metrics, old_logprobs
 
 
 def validate(rollout, val_items, step, tokenizer, reward_fn, device: torch.device) -> tuple[dict, list[dict]]:
@@ -654,17 +619,6 @@ def validate(rollout, val_items, step, tokenizer, reward_fn, device: torch.devic
                 "ground_truth": str(g.item["ground_truth"]), "score": s}
                for g in groups for r, s in zip(g.responses, g.scores)][:4]
     return score_metrics("val", groups, device), samples
-
-
-def lr_lambda(actor: ActorConfig, total_steps: int):
-    def factor(step: int) -> float:
-        if step < actor.warmup_steps:
-            return (step + 1) / actor.warmup_steps
-        if actor.lr_schedule == "constant":
-            return 1.0
-        progress = (step - actor.warmup_steps) / max(1, total_steps - actor.warmup_steps)
-        return actor.min_lr_ratio + (1 - actor.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
 
 
 def check_config(cfg: Config, world_size: int) -> None:
@@ -677,9 +631,16 @@ def check_config(cfg: Config, world_size: int) -> None:
         problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} must be a multiple of --trainer.global-batch-size {t.global_batch_size}")
     if (t.global_batch_size * n) % world_size:
         problems.append(f"--trainer.global-batch-size x --rollout.n ({t.global_batch_size} x {n}) must be divisible by the world size {world_size}")
-    elif (t.global_batch_size * n // world_size) % cfg.actor.micro_batch_size:
+    elif (t.global_batch_size * n // world_size) % cfg.actor.micro_batch_size and not cfg.actor.max_tokens_per_micro_batch:
         problems.append(f"--actor.micro-batch-size {cfg.actor.micro_batch_size} must divide the per-rank mini-batch "
                         f"(global_batch_size x n / world size = {t.global_batch_size * n // world_size} sequences)")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if 0 < cfg.actor.max_tokens_per_micro_batch < longest:
+        problems.append(f"--actor.max-tokens-per-micro-batch {cfg.actor.max_tokens_per_micro_batch} must hold the longest "
+                        f"sequence, --data.max-prompt-length + --rollout.max-response-length = {longest} tokens")
+    if cfg.actor.offload_while_generating and cfg.rollout.engine == "hf":
+        problems.append("--actor.offload-while-generating: the hf engine generates with the actor itself; use "
+                        "--rollout.engine vllm or drop the flag")
     algo = cfg.algorithm
     if algo.adv_estimator not in ADVANTAGE_ESTIMATORS:
         problems.append(f"--algorithm.adv-estimator {algo.adv_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
@@ -742,18 +703,20 @@ def main(cfg: Config) -> None:
         estimate = check_run_memory(cfg, model_path, world, torch.cuda.get_device_properties(device).total_memory)
         console.print(f"memory estimate per GPU (memory.py): rollout {estimate.rollout_total / 2**30:.1f} GiB, training "
                       f"{estimate.training_total / 2**30:.1f} GiB, of {estimate.gpu_bytes / 2**30:.1f} GiB")
-    actor = load_sharded_model(model_path, device, trainable=True, gradient_checkpointing=cfg.actor.gradient_checkpointing)
-    ref_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen: no fp32 master copy needed
-    ref = load_sharded_model(model_path, device, trainable=False, dtype=ref_dtype) if uses_kl else None  # no KL: none
+    actor_dtype = getattr(torch, cfg.actor.dtype)
+    actor = load_sharded_model(model_path, device, trainable=True, dtype=actor_dtype, cpu_offload=cfg.actor.fsdp_cpu_offload,
+                               gradient_checkpointing=cfg.actor.gradient_checkpointing)
+    ref_dtype = torch.bfloat16 if device.type == "cuda" else actor_dtype  # frozen: no fp32 master copy needed
+    ref = (load_sharded_model(model_path, device, trainable=False, dtype=ref_dtype, cpu_offload=cfg.actor.fsdp_cpu_offload)
+           if uses_kl else None)  # no KL: no reference model
     if cfg.actor.freeze_vision_tower:
         if processor is None:
             raise SystemExit(f"--actor.freeze-vision-tower: {cfg.actor.model_path} has no vision tower")
         actor.model.visual.requires_grad_(False)
-    optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.actor.lr, betas=cfg.actor.betas,
-                                  weight_decay=cfg.actor.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.actor, cfg.trainer.total_steps))
-    rollout = build_rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-                            device, actor)
+    optimizer = build_optimizer(actor.parameters(), cfg.actor.optimizer, cfg.actor.lr, cfg.actor.betas,
+                                cfg.actor.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.actor.warmup_steps, cfg.actor.lr_schedule,
+                                                                       cfg.actor.min_lr_ratio, cfg.trainer.total_steps))
     kl_coef = algo.kl_coef  # the KL-in-reward coefficient; token_rewards() returns the next one (adaptive KL)
     first_step = 1
     if start is not None:  # everything a step depends on, as it was after the checkpoint's step
@@ -761,9 +724,23 @@ def main(cfg: Config) -> None:
         scheduler.load_state_dict(state["scheduler"])
         loader.load_state_dict(state["loader"])
         kl_coef, first_step = state["kl_coef"], state["step"] + 1
-        rollout.sync_weights(actor, version=state["step"])  # the engine holds the resumed weights before rolling out
         console.print(f"resumed from {start} (step {state['step']}"
                       + (", model only: AdamW restarts from zero moments)" if state["model_only"] else ")"))
+    offload = cfg.actor.offload_while_generating  # the engine starts and generates with the training state on the host
+    training_state = ([actor] + ([ref] if ref is not None else []), optimizer)
+    if offload:
+        move_training_state("cpu", *training_state)
+    rollout = build_rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                            device, actor)
+    if start is not None:  # the engine holds the resumed weights before rolling out
+        if offload:  # the stream gathers the shards on the training device
+            move_training_state(device, *training_state)
+        rollout.sync_weights(actor, version=first_step - 1)
+        if offload:
+            move_training_state("cpu", *training_state)
+    # one optimizer step per rollout batch: the old log-probs are the update's own, no pass of their own (TRL's way)
+    on_policy = (cfg.trainer.ppo_epochs == 1 and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
+                 and not algo.use_kl_in_reward)
     trackers = Trackers(list(cfg.trainer.logger) if rank == 0 else [], run_dir, dataclasses.asdict(cfg),
                         cfg.trainer.project_name, cfg.trainer.experiment_name, resume_step=first_step - 1)
 
@@ -785,6 +762,8 @@ def main(cfg: Config) -> None:
             # ---- generate + score (more rounds when dynamic sampling drops groups) ------------------------
             groups, metrics = collect_rollouts(rollout, loader, reward_fn, tokenizer, cfg, step - 1, timer, device)
             rollout.sleep()
+            if offload:
+                move_training_state(device, *training_state)
             responses = [r for g in groups for r in g.responses]
             prompts = [expand_prompt(processor, g.item) if processor else (g.item["prompt_ids"], None) for g in groups]
             batch = make_batch([ids for (ids, _), g in zip(prompts, groups) for _ in g.responses],
@@ -795,11 +774,12 @@ def main(cfg: Config) -> None:
             mask = batch["response_mask"]
 
             # ---- log-probs ---------------------------------------------------------------------------
+            passes = dict(temperature=cfg.rollout.temperature, micro_batch_size=cfg.actor.micro_batch_size,
+                          max_tokens=cfg.actor.max_tokens_per_micro_batch, padding_free=cfg.actor.padding_free)
             with timer("old_logprob"):
-                old_logprobs = batched_logprobs(actor, batch, cfg.rollout.temperature, cfg.actor.micro_batch_size)
+                old_logprobs = None if on_policy else batched_logprobs(actor, batch, **passes)
             with timer("ref_logprob"):
-                ref_logprobs = (batched_logprobs(ref, batch, cfg.rollout.temperature, cfg.actor.micro_batch_size)
-                                if ref is not None else None)
+                ref_logprobs = batched_logprobs(ref, batch, **passes) if ref is not None else None
 
             # ---- token rewards, advantages ---------------------------------------------------------------
             scores = torch.tensor([s["overall"] for g in groups for s in g.scores], device=device)  # [B]
@@ -810,16 +790,20 @@ def main(cfg: Config) -> None:
                          if groups[0].baseline is not None else None)
             advantages = ADVANTAGE_ESTIMATORS[algo.adv_estimator](
                 AdvantageInputs(rewards, mask, cfg.rollout.n, baselines, sum_over_ranks), algo)  # [B, R]
-            metrics.update(logprob_metrics(batch, old_logprobs, ref_logprobs))
 
             # ---- update ------------------------------------------------------------------------------
             with timer("update"):
-                metrics.update(update_policy(actor, optimizer, batch, old_logprobs, ref_logprobs, advantages, cfg))
+                update_metrics, old_logprobs = update_policy(actor, optimizer, batch, old_logprobs, ref_logprobs,
+                                                             advantages, cfg)
                 scheduler.step()
+            metrics.update(update_metrics)
+            metrics.update(logprob_metrics(batch, old_logprobs, ref_logprobs))
 
             # ---- sync the engine ---------------------------------------------------------------------
             with timer("sync"):
                 rollout.sync_weights(actor, version=step)
+                if offload:
+                    move_training_state("cpu", *training_state)
 
             # ---- validate, log, save -----------------------------------------------------------------
             metrics.update(score_metrics("train", groups, device))
@@ -831,7 +815,8 @@ def main(cfg: Config) -> None:
                     metrics.update(val_metrics)
             step_time = sum(timer.seconds.values())
             metrics.update(timer.seconds)
-            sequence_tokens = all_reduce({"tokens": batch["input_ids"].numel()}, device)["tokens"]
+            sequence_tokens = all_reduce({"tokens": sum(batch["prompt_lengths"]) + sum(batch["response_lengths"])},
+                                         device)["tokens"]
             metrics.update({"timing/step": step_time, "perf/tokens_per_s": sequence_tokens / step_time,
                             "perf/peak_memory_gib": all_reduce({"peak": peak_memory_gib(device)}, device,
                                                                dist.ReduceOp.MAX)["peak"]})

@@ -3,22 +3,25 @@
 Size a run by hand (prints the per-GPU table; exits with the refusal message if it does not fit):
     python memory.py Qwen/Qwen2.5-7B-Instruct --gpus 8 --gpu-gib 80 --micro-batch-size 4 --seq-len 2048
 
-What is estimated, per GPU: P parameters, W GPUs, T = micro_batch_size x max_seq_len tokens, L layers,
-h hidden size, I MLP width, V vocabulary. Two phases of a training step must each fit:
+What is estimated, per GPU: P parameters, W GPUs, T tokens per micro-batch (micro_batch_size x max_seq_len, or
+the token budget --actor.max-tokens-per-micro-batch), L layers, h hidden size, I MLP width, V vocabulary,
+p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of AdamW moments per parameter
+(2p with torch's AdamW, 4 with --actor.optimizer adamw_bf16). Two phases of a training step must each fit:
 - rollout (the engine generates, the trainer waits):
-    actor: fp32 params + AdamW's m and v, sharded: 12P/W (no gradients: zero_grad(set_to_none=True))
+    actor: params + AdamW's m and v, sharded: (p + m)P/W, fp32: 12P/W (no gradients: zero_grad(set_to_none=True))
     reference (only with KL): bf16 params, sharded: 2P/W
+    (both 0 with --actor.offload-while-generating or --actor.fsdp-cpu-offload: they wait in host memory)
     vLLM: its whole budget, gpu_memory_utilization x GPU memory (weights 2P/tp and KV cache live inside it);
     or the HF engine: the model gathered in bf16 (2P) + the KV cache of one micro-batch (T x L x 2 x kv_heads x head_dim x 2)
     overhead: 2 GiB (CUDA context, NCCL buffers, allocator fragmentation)
 - training (forward/backward of one micro-batch; vLLM asleep, its weights and KV cache off the GPU):
-    actor with fp32 gradients: 16P/W; reference 2P/W
+    actor with gradients: (2p + m)P/W, fp32: 16P/W; reference 2P/W (0 under FSDP2's CPU offload)
     FSDP units gathered in bf16: 2 x (root + 2 x layer); the root (embeddings, final norm, untied head) stays
       gathered, and about two decoder layers are gathered at once (the current one and the prefetched next)
     activations: T x L x (17h + 8I) bytes; with gradient checkpointing T x (2hL + 17h + 8I) (every layer's
       input, plus one layer's activations while it is recomputed)
-    logits for the log-probs: T x V x (2 + 4 + 4) bytes (bf16 logits, fp32 copy, log_softmax output): the
-      biggest single item for 150k vocabularies
+    logits for the log-probs: one chunk of c = min(T, logprobs.CHUNK_TOKENS) tokens, c x V x (2 + 4 + 4) bytes
+      (bf16 logits, fp32 copy, their gradient): the output head runs a chunk at a time, never on all T tokens
     overhead: 2 GiB
 Design decisions:
 - It runs at start-up, before any weights load: a run that cannot fit fails in seconds with the flags to
@@ -36,12 +39,15 @@ Design decisions:
 """
 
 import argparse
+import functools
+import json
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig
 
 from fsdp_utils import model_class
+from logprobs import CHUNK_TOKENS
 
 GiB = 2**30
 OVERHEAD = "CUDA context, NCCL, fragmentation"
@@ -49,6 +55,8 @@ REFERENCE = "reference: bf16 params"
 VLLM = "vLLM: weights + KV cache budget"
 HF_KV_CACHE = "HF engine: KV cache"
 ACTIVATIONS = "activations"
+ACTOR_STATE = "actor: params + AdamW states"
+LOGITS = "logits of one head chunk"
 
 
 def _parameter_counts(model_config) -> tuple[int, int, int]:
@@ -57,6 +65,12 @@ def _parameter_counts(model_config) -> tuple[int, int, int]:
     Blocks are the modules named in `_no_split_modules`, the units fsdp_utils shards one by one; the root
     holds the rest (embeddings, final norm, untied output head). Tied weights are counted once.
     """
+    return _counts_of(model_config.to_json_string())
+
+
+@functools.lru_cache
+def _counts_of(config_json: str) -> tuple[int, int, int]:
+    model_config = AutoConfig.for_model(**json.loads(config_json))
     with torch.device("meta"):
         model = model_class(model_config).from_config(model_config)
     names = set(model._no_split_modules or [])
@@ -108,17 +122,21 @@ class MemoryEstimate:
 
 def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, micro_batch_size: int, max_seq_len: int,
                     gradient_checkpointing: bool, engine: str = "vllm", gpu_memory_utilization: float = 0.5,
-                    tensor_parallel_size: int = 1) -> MemoryEstimate:
+                    tensor_parallel_size: int = 1, max_tokens_per_micro_batch: int = 0, param_bytes: int = 4,
+                    moment_bytes: int = 8, cpu_offload: bool = False,
+                    offload_while_generating: bool = False) -> MemoryEstimate:
     """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
 
-    Example: P = 1e9 on W = 4 GPUs with KL -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
-    training actor 4e9 (16P/W); T = 4 x 2048 tokens, V = 151936 -> logits 12.4e9 bytes.
+    Example: P = 1e9 on W = 4 GPUs with KL, fp32 AdamW -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
+    training actor 4e9 (16P/W); V = 151936 -> logits of one 1024-token chunk 1.6e9 bytes.
     """
     P, root, layer = _parameter_counts(model_config)
     text = model_config.get_text_config()  # a VLM's language model; a text model's own config
     h, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
     I = getattr(text, "intermediate_size", None) or 4 * h
-    T, W = micro_batch_size * max_seq_len, world_size
+    T, W = max_tokens_per_micro_batch or micro_batch_size * max_seq_len, world_size
+    on_gpu = 0 if cpu_offload else 1
+    resident = 0 if cpu_offload or offload_while_generating else 1  # while the engine generates
     reference = {REFERENCE: 2 * P // W} if kl else {}
     if engine == "vllm":
         engine_items = {VLLM: int(gpu_memory_utilization * gpu_bytes)}
@@ -133,11 +151,13 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
         raise ValueError(f"unknown rollout engine {engine!r}: vllm or hf")
     layer_activations = 17 * h + 8 * I  # bytes per token of one layer (Korthikanti et al., gated MLP)
     activations = T * (2 * h * L + layer_activations) if gradient_checkpointing else T * L * layer_activations
-    rollout = {"actor: fp32 params + AdamW states": 12 * P // W, **reference, **engine_items, OVERHEAD: 2 * GiB}
-    training = {"actor: fp32 params + grads + AdamW states": 16 * P // W, **reference,
+    rollout = {ACTOR_STATE: resident * (param_bytes + moment_bytes) * P // W,
+               **{k: resident * v for k, v in reference.items()}, **engine_items, OVERHEAD: 2 * GiB}
+    training = {ACTOR_STATE + " + grads": on_gpu * (2 * param_bytes + moment_bytes) * P // W,
+                **{k: on_gpu * v for k, v in reference.items()},
                 "gathered bf16 units: root + 2 layers": 2 * (root + 2 * layer),
                 ACTIVATIONS + (" (checkpointed)" if gradient_checkpointing else ""): activations,
-                "logits: bf16 + fp32 + log_softmax": T * V * (2 + 4 + 4), OVERHEAD: 2 * GiB}
+                LOGITS: min(T, CHUNK_TOKENS) * V * (2 + 4 + 4), OVERHEAD: 2 * GiB}
     return MemoryEstimate(rollout, training, gpu_bytes, vllm_needs)
 
 
@@ -150,8 +170,14 @@ def _advice(phase: str, items: dict[str, int], e: MemoryEstimate) -> list[str]:
     if phase == "training" or HF_KV_CACHE in items:  # both grow with the tokens of a micro-batch
         advice += ["a smaller `--actor.micro-batch-size`",
                    "shorter sequences (`--data.max-prompt-length`, `--rollout.max-response-length`)"]
+    if phase == "training":
+        advice.append("`--actor.max-tokens-per-micro-batch N` (micro-batches of at most N tokens)")
     if ACTIVATIONS in items:
         advice.append("`--actor.gradient-checkpointing`")
+    if items.get(ACTOR_STATE):
+        advice.append("`--actor.offload-while-generating` (the actor, reference and AdamW states wait in host memory)")
+    advice += ["`--actor.optimizer adamw_bf16` (bf16 AdamW moments: 4 bytes per parameter less)",
+               "`--actor.fsdp-cpu-offload` (parameters, gradients and AdamW states in host memory for the whole run; slow)"]
     if REFERENCE in items:
         advice.append("`--algorithm.no-use-kl-loss` (and no KL in the reward) drops the reference model")
     return advice
@@ -175,7 +201,7 @@ def check_memory(model_config, **options) -> MemoryEstimate:
             problems.append(f"the {phase} phase does not fit: ~{gib(total)} GiB per GPU, the GPU has {gib(e.gpu_bytes)} GiB "
                             f"(biggest: {'; '.join(f'{name} {gib(size)} GiB' for name, size in biggest)}). To fit, any of:\n"
                             + "".join(f"    {advice}\n" for advice in _advice(phase, items, e))
-                            + "    (offload and LoRA are planned)")
+                            + "    (LoRA is planned)")
     if problems:
         raise SystemExit("this run does not fit in GPU memory (an estimate, made before loading anything):\n- "
                          + "\n- ".join(problems) + "\n\n" + e.table())
@@ -190,26 +216,91 @@ def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> M
                         max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                         gradient_checkpointing=cfg.actor.gradient_checkpointing, engine=cfg.rollout.engine,
                         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                        tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+                        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                        max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
+                        **precision(cfg.actor.dtype, cfg.actor.optimizer), cpu_offload=cfg.actor.fsdp_cpu_offload,
+                        offload_while_generating=cfg.actor.offload_while_generating)
+
+
+def precision(dtype: str, optimizer: str) -> dict[str, int]:
+    """Bytes per parameter of the stored weights and of AdamW's two moments for --actor.dtype/--actor.optimizer."""
+    param_bytes = 2 if dtype == "bfloat16" else 4
+    return {"param_bytes": param_bytes, "moment_bytes": 4 if optimizer == "adamw_bf16" else 2 * param_bytes}
+
+
+QWEN2_5_SHAPES = {  # (hidden, MLP width, layers, heads, KV heads, vocabulary, tied embeddings): the public configs
+    "0.5B": (896, 4864, 24, 14, 2, 151936, True), "1.5B": (1536, 8960, 28, 12, 2, 151936, True),
+    "3B": (2048, 11008, 36, 16, 2, 151936, True), "7B": (3584, 18944, 28, 28, 4, 152064, False),
+    "14B": (5120, 13824, 48, 40, 8, 152064, False), "32B": (5120, 27648, 64, 40, 8, 152064, False),
+    "72B": (8192, 29568, 80, 64, 8, 152064, False)}
+SETUPS = {  # the README's hardware table: name -> estimate_memory options
+    "fp32 weights, AdamW": dict(param_bytes=4, moment_bytes=8),
+    "fp32 weights, adamw_bf16": dict(param_bytes=4, moment_bytes=4),
+    "bf16 weights, adamw_bf16": dict(param_bytes=2, moment_bytes=4),
+    "bf16 + adamw_bf16 + offload while generating": dict(param_bytes=2, moment_bytes=4, offload_while_generating=True)}
+
+
+def gpus_needed(model_config, gpu_bytes: int, **options) -> tuple[int, int] | None:
+    """(GPUs, vLLM tensor-parallel size): the fewest GPUs (a power of two up to 256) on which both phases fit, with
+    the smallest tensor-parallel size whose share of the engine's weights fits its budget; None beyond 256."""
+    for world in (2**k for k in range(9)):
+        for tp in (2**k for k in range(world.bit_length())):
+            e = estimate_memory(model_config, world_size=world, gpu_bytes=gpu_bytes, tensor_parallel_size=tp, **options)
+            if e.vllm_needs <= e.rollout[VLLM]:
+                if e.rollout_total <= gpu_bytes and e.training_total <= gpu_bytes:
+                    return world, tp
+                break
+    return None
+
+
+def hardware_table(gpu_gib: float = 80.0) -> str:
+    """GPUs of `gpu_gib` needed to train each Qwen2.5 size with each SETUPS entry (Markdown), for a run with KL,
+    vLLM at 0.5 of each GPU, micro-batches of 8,192 tokens and gradient checkpointing."""
+    from transformers import Qwen2Config
+
+    lines = ["| setup | " + " | ".join(QWEN2_5_SHAPES) + " |", "|---|" + "---|" * len(QWEN2_5_SHAPES)]
+    for name, setup in SETUPS.items():
+        cells = []
+        for h, inner, layers, heads, kv, vocab, tied in QWEN2_5_SHAPES.values():
+            config = Qwen2Config(hidden_size=h, intermediate_size=inner, num_hidden_layers=layers, num_attention_heads=heads,
+                                 num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied)
+            need = gpus_needed(config, int(gpu_gib * GiB), kl=True, micro_batch_size=1, max_seq_len=8192,
+                               max_tokens_per_micro_batch=8192, gradient_checkpointing=True, **setup)
+            cells.append(f"{need[0]} (TP {need[1]})" if need else "> 256")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Estimate the per-GPU memory of a grpo.py run from a model's config.")
-    parser.add_argument("model", help="HF model folder or hub id (only its config is read)")
+    parser.add_argument("model", nargs="?", help="HF model folder or hub id (only its config is read)")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs in the run (the world size)")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU, GiB")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="--actor.micro-batch-size")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0, help="--actor.max-tokens-per-micro-batch")
     parser.add_argument("--seq-len", type=int, default=2048, help="--data.max-prompt-length + --rollout.max-response-length")
     parser.add_argument("--no-kl", action="store_true", help="no KL, so no reference model")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="--actor.dtype")
+    parser.add_argument("--optimizer", choices=["adamw", "adamw_bf16"], default="adamw", help="--actor.optimizer")
+    parser.add_argument("--fsdp-cpu-offload", action="store_true")
+    parser.add_argument("--offload-while-generating", action="store_true")
+    parser.add_argument("--hardware-table", action="store_true", help="print the README's table of GPUs per Qwen2.5 size")
     args = parser.parse_args()
+    if args.hardware_table:
+        print(hardware_table(args.gpu_gib))
+        return
+    if not args.model:
+        parser.error("give a model (or --hardware-table)")
     print(check_memory(AutoConfig.from_pretrained(args.model), world_size=args.gpus, gpu_bytes=int(args.gpu_gib * GiB),
                        kl=not args.no_kl, micro_batch_size=args.micro_batch_size, max_seq_len=args.seq_len,
                        gradient_checkpointing=args.gradient_checkpointing, engine=args.engine,
-                       gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size))
+                       gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
+                       max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, **precision(args.dtype, args.optimizer),
+                       cpu_offload=args.fsdp_cpu_offload, offload_while_generating=args.offload_while_generating))
 
 
 if __name__ == "__main__":

@@ -107,8 +107,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(architecture: str, path: str | Path, seed: int = 0) -> Path:
-    """Write a tiny random-weight model + tokenizer to `path` (deterministic for a given seed)."""
+def build_tiny_model(architecture: str, path: str | Path, seed: int = 0, **sizes) -> Path:
+    """Write a tiny random-weight model + tokenizer to `path` (deterministic for a given seed); `sizes` override
+    config fields (the benchmark's larger models: `hidden_size=512, num_hidden_layers=10`, `vocab_size=152064`)."""
     if architecture in VISION_ARCHITECTURES:
         return build_tiny_vlm(architecture, path, seed)
     if architecture not in ARCHITECTURES:
@@ -116,12 +117,10 @@ def build_tiny_model(architecture: str, path: str | Path, seed: int = 0) -> Path
                          f"{sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES)}")
     config_cls, model_cls, extra = ARCHITECTURES[architecture]
     tokenizer = build_tokenizer()
-    config = config_cls(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32", **extra,
-    )
+    fields = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, bos_token_id=None,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", **extra)
+    config = config_cls(**{**fields, **sizes})
     torch.manual_seed(seed)
     model = model_cls(config)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

@@ -5,9 +5,9 @@ itself; the trainer gets the expanded sequence and the pixels from the same proc
 both sides see the same image tokens and the same pixels.
 
 Design decisions:
-- Positions: given `mm_token_type_ids` and `image_grid_thw` (and no `position_ids`), the model computes its
-  3-D M-RoPE positions itself (its `get_rope_index`, the code vLLM mirrors); nothing is re-derived here.
-  Micro-batches without images keep the 1-D positions of text, which M-RoPE reduces to.
+- Positions: the 3-D M-RoPE positions always come from the model's own `get_rope_index` (the code vLLM
+  mirrors): called by the model on padded rows, or by logprobs.py per sequence before packing; nothing is
+  re-derived here. Micro-batches without images get the 1-D positions of text, which M-RoPE reduces to.
 - Image placeholders are never sampled: a sampled `<|image_pad|>` would be an image slot without an image in
   the trainer's forward ("Image features and image tokens do not match"). Both engines and the trainer add
   the same bias (vLLM's bound, -100) to the placeholder tokens' logits, so all three agree on the

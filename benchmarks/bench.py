@@ -1,7 +1,9 @@
-"""Benchmark: rollout throughput through rollout.py vs bare vLLM, weight-sync time, the default job's step.
+"""Benchmark: rollout throughput through rollout.py vs bare vLLM, weight-sync time, the default job's step; the
+trainer's update against a bare FSDP2 loop, padding-free against padded, the logits' memory.
 
-    .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints a Markdown table
+    .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --n 8 --max-tokens 512
+    .venv/bin/python benchmarks/bench.py --only trainer    # the trainer's half (--only rollout: the other)
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -9,7 +11,12 @@ Each part runs in its own process (two vLLM engines do not share one process wel
 - bare: `vllm.LLM.generate` on the same model with the same engine and sampling settings, tokens/s;
 - hf: rollout.HFRollout (transformers generate on the FSDP2 actor), the same work, tokens/s;
 - step: the default job (`torchrun --nproc_per_node 2 grpo.py`) for a few steps, mean time per phase, with
-  each engine.
+  each engine;
+- update: grpo.update_policy (packed micro-batches by a token budget, chunked head) on sequences with a
+  realistic spread of response lengths, against a bare FSDP2 forward/backward/AdamW loop on the same packed
+  micro-batches, and against itself on padded micro-batches; tokens/s;
+- logits: peak memory of the log-probs' forward and backward with a 152k vocabulary, the full-logits
+  computation of before against the chunked head (each in a fresh process).
 """
 
 import argparse
@@ -97,12 +104,110 @@ def part_bare(args) -> dict:
     return {"bare_tokens_per_s": tokens_per_s}
 
 
+# ---- the trainer: update throughput against a bare FSDP2 loop, packed against padded, the logits' memory ------------
+
+
+def spread_batch(args, vocab: int, seed: int = 0) -> dict:
+    """`args.rows` sequences: a 32-token prompt and a response of uniformly drawn length in
+    [args.min_response, args.max_response] tokens, the spread of real reasoning rollouts."""
+    import torch
+
+    from logprobs import make_batch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(args.min_response, args.max_response + 1, (args.rows,), generator=g).tolist()
+    return make_batch([torch.randint(10, vocab, (32,), generator=g).tolist() for _ in lengths],
+                      [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths], pad_id=0)
+
+
+def timed(fn, repeats: int) -> float:
+    """Seconds per call after one warm-up call."""
+    import torch
+
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def part_update(args) -> dict:
+    """The trainer's update (grpo.update_policy: packed micro-batches by a token budget, chunked head, PPO loss,
+    clip, AdamW) against a bare FSDP2 loop doing forward, a mean log-prob loss, backward and AdamW on the same
+    packed micro-batches; then the update on padded micro-batches of as many sequences."""
+    import torch
+
+    from fsdp_utils import init_distributed, load_sharded_model
+    from grpo import Config, update_policy
+    from logprobs import forward_inputs, micro_batches, select
+
+    _, _, device = init_distributed()
+    model = load_sharded_model(args.model, device, trainable=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in spread_batch(args, 100).items()}
+    tokens = sum(batch["prompt_lengths"]) + sum(batch["response_lengths"])
+    advantages = torch.randn(batch["response_mask"].shape, device=device) * batch["response_mask"]
+    cfg = Config()
+    cfg.algorithm.use_kl_loss, cfg.rollout.n, cfg.trainer.global_batch_size, cfg.trainer.rollout_batch_size = False, args.rows, 1, 1
+    cfg.actor.max_tokens_per_micro_batch = args.tokens_per_micro_batch
+    plan = micro_batches(batch, 1, args.tokens_per_micro_batch)
+
+    def bare():
+        for rows in plan:
+            micro = select(batch, rows)
+            inputs, index = forward_inputs(model, micro, padding_free=True)
+            logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[index].float()  # [N, V]
+            targets = micro["responses"][micro["response_mask"].bool()]
+            (-torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum() / tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    trainer = timed(lambda: update_policy(model, optimizer, batch, None, None, advantages, cfg), args.repeats)
+    plain = timed(bare, args.repeats)
+    cfg.actor.padding_free, cfg.actor.max_tokens_per_micro_batch = False, 0
+    cfg.actor.micro_batch_size = max(1, args.rows // len(plan))  # as many micro-batches as the packed plan
+    padded = timed(lambda: update_policy(model, optimizer, batch, None, None, advantages, cfg), args.repeats)
+    return {"tokens": tokens, "micro_batches": len(plan), "trainer_tokens_per_s": tokens / trainer,
+            "bare_tokens_per_s": tokens / plain, "padded_tokens_per_s": tokens / padded}
+
+
+def part_logits(args) -> dict:
+    """Peak memory of one forward and backward of the response log-probs, a 152k vocabulary: the full-logits
+    computation the trainer used before logprobs.py (`--part logits` with --full) or the chunked head."""
+    import resource
+
+    import torch
+
+    from logprobs import forward_inputs, response_logprobs
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model).to(device)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in spread_batch(args, 100).items()}
+    before = torch.cuda.memory_allocated() if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if args.full:
+        inputs, index = forward_inputs(model, batch, padding_free=True)
+        logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[index].float()  # [N, V]
+        targets = batch["responses"][batch["response_mask"].bool()]
+        torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum().backward()
+    else:
+        response_logprobs(model, batch, 1.0).sum().backward()
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_gib": (peak - before) / 2**30}
+
+
 def run_part(part: str, args, torchrun: bool) -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533"] \
         if torchrun else [sys.executable]
     cmd = launcher + [__file__, "--part", part, "--out", str(out), "--model", args.model, "--prompts", str(args.prompts),
-                      "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
+                      "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
+                      "--rows", str(args.rows), "--min-response", str(args.min_response), "--max-response",
+                      str(args.max_response), "--tokens-per-micro-batch", str(args.tokens_per_micro_batch)]
+    cmd += ["--full"] if args.full else []
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=not args.verbose)
     return json.loads(out.read_text())
 
@@ -119,22 +224,7 @@ def step_breakdown(args, engine: str) -> dict:
     return {k: sum(m[k] for m in lines) / len(lines) for k in keys}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--part", choices=["rollout", "bare", "hf"])
-    parser.add_argument("--out")
-    parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args()
-    if args.part:
-        result = {"rollout": part_rollout, "bare": part_bare, "hf": part_hf}[args.part](args)
-        Path(args.out).write_text(json.dumps(result))
-        return
+def rollout_tables(args) -> None:
     if not args.model:
         from tiny import build_tiny_model
 
@@ -153,6 +243,58 @@ def main():
     print("| phase | vllm | hf |\n|---|---|---|")
     for key in steps["vllm"]:
         print(f"| {key} | {steps['vllm'][key]:.3f} | {steps['hf'][key]:.3f} |")
+
+
+def trainer_tables(args) -> None:
+    from tiny import build_tiny_model
+
+    folder = Path(tempfile.mkdtemp())
+    model = args.model or str(build_tiny_model("qwen2", folder / "tiny", max_position_embeddings=4096))
+    update = run_part("update", argparse.Namespace(**{**vars(args), "model": model}), torchrun=True)
+    print(f"\nThe update, model {model}: {args.rows} sequences of a 32-token prompt and {args.min_response}-"
+          f"{args.max_response} response tokens ({update['tokens']:,} tokens), {update['micro_batches']} micro-batches "
+          f"of <= {args.tokens_per_micro_batch:,} tokens, one AdamW step:\n")
+    print("| measure | tokens/s |\n|---|---|")
+    print(f"| grpo.update_policy, packed (padding-free), chunked head | {update['trainer_tokens_per_s']:,.0f} |")
+    print(f"| bare FSDP2 forward/backward/AdamW, same packed micro-batches | {update['bare_tokens_per_s']:,.0f} |")
+    print(f"| ratio (target >= 0.9) | {update['trainer_tokens_per_s'] / update['bare_tokens_per_s']:.2f}x |")
+    print(f"| grpo.update_policy, padded, as many micro-batches | {update['padded_tokens_per_s']:,.0f} |")
+    print(f"| padding-free over padded | {update['trainer_tokens_per_s'] / update['padded_tokens_per_s']:.2f}x |")
+    wide = str(build_tiny_model("qwen2", folder / "wide", vocab_size=152064, max_position_embeddings=4096))
+    memory = argparse.Namespace(**{**vars(args), "model": wide, "rows": 4, "min_response": 1024, "max_response": 1024})
+    full = run_part("logits", argparse.Namespace(**{**vars(memory), "full": True}), torchrun=False)["peak_gib"]
+    chunked = run_part("logits", argparse.Namespace(**{**vars(memory), "full": False}), torchrun=False)["peak_gib"]
+    print(f"\nPeak memory of the log-probs' forward and backward, 4 x 1,024 response tokens, a 152,064-token vocabulary "
+          f"(tiny model otherwise):\n\n| logits | peak GiB |\n|---|---|\n| full [tokens, vocabulary] fp32 (before) | "
+          f"{full:.2f} |\n| chunked head, 1,024 tokens a chunk (now) | {chunked:.2f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", choices=["rollout", "trainer"], help="one half of the benchmark")
+    parser.add_argument("--model", default="")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=32, help="trainer: sequences in the update")
+    parser.add_argument("--min-response", type=int, default=50, help="trainer: shortest response")
+    parser.add_argument("--max-response", type=int, default=2000, help="trainer: longest response")
+    parser.add_argument("--tokens-per-micro-batch", type=int, default=8192, help="trainer: the token budget")
+    parser.add_argument("--full", action="store_true", help="logits part: the full-logits computation")
+    parser.add_argument("--part", choices=["rollout", "bare", "hf", "update", "logits"])
+    parser.add_argument("--out")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args()
+    if args.part:
+        parts = {"rollout": part_rollout, "bare": part_bare, "hf": part_hf, "update": part_update, "logits": part_logits}
+        Path(args.out).write_text(json.dumps(parts[args.part](args)))
+        return
+    if args.only != "trainer":
+        rollout_tables(argparse.Namespace(**vars(args)))
+    if args.only != "rollout":
+        trainer_tables(args)
 
 
 if __name__ == "__main__":

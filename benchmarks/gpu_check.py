@@ -14,7 +14,9 @@ Parts (one line each on the console, all figures in OUT/gpu_check.json):
 4. update: one `grpo.update_policy` of a Qwen2.5-1.5B-shaped random model (64 sequences of 1,024 tokens):
    tokens/s, peak memory and MFU, counting 6 x (matmul parameters) + 12 x layers x hidden x sequence length
    FLOPs per token (PaLM, appendix B) against the bf16 dense peak (`--peak-tflops`, H100/H200: 989).
-`--cpu` runs parts 2-4 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here.
+5. paths: packed against padded log-probs (bf16 on GPU) on a Qwen2.5-0.5B shape, and two updates with the actor
+   and AdamW moved to the host and back before each against two without: the same weights, the memory freed.
+`--cpu` runs parts 2-5 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here.
 """
 
 import argparse
@@ -72,7 +74,7 @@ def part_logprobs(args) -> dict:
     import torch
 
     from fsdp_utils import init_distributed, load_sharded_model, to_floats
-    from grpo import batched_logprobs, make_batch
+    from logprobs import batched_logprobs, make_batch
     from rollout import HFRollout, RolloutConfig
 
     _, _, device = init_distributed()
@@ -96,7 +98,8 @@ def part_update(args) -> dict:
     import torch
 
     from fsdp_utils import init_distributed, load_sharded_model
-    from grpo import Config, batched_logprobs, make_batch, update_policy
+    from grpo import Config, update_policy
+    from logprobs import batched_logprobs, make_batch
     from metrics import peak_memory_gib
     from memory import count_parameters
 
@@ -129,6 +132,47 @@ def part_update(args) -> dict:
     return {"parameters": count_parameters(c), "tokens": tokens, "update_s": seconds, "tokens_per_s": tokens / seconds,
             "peak_memory_gib": peak_memory_gib(device),
             "mfu": flops / seconds / (args.peak_tflops * 1e12) if device.type == "cuda" else None}
+
+
+def part_paths(args) -> dict:
+    """The training paths of logprobs.py and the offload on the device: packed against padded log-probs in the
+    compute dtype, and two updates with the actor and AdamW states moved to the host and back before each,
+    against two without (the same weights), with the device memory the move frees."""
+    import torch
+
+    from fsdp_utils import init_distributed, load_sharded_model, move_training_state
+    from grpo import Config, update_policy
+    from logprobs import batched_logprobs, make_batch
+
+    _, _, device = init_distributed()
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 64 if args.cpu else 1024, (16,), generator=generator).tolist()
+    actor = load_sharded_model(args.model, device, trainable=True)
+    vocab = actor.config.vocab_size
+    batch = make_batch(random_ids(generator, 16, 32, vocab), [random_ids(generator, 1, n, vocab)[0] for n in lengths], 0,
+                       device=device)
+    packed, padded = (batched_logprobs(actor, batch, 1.0, 8, padding_free=free) for free in (True, False))
+    cfg = Config()
+    cfg.rollout.n, cfg.trainer.rollout_batch_size, cfg.trainer.global_batch_size = 16, 1, 1
+    cfg.actor.micro_batch_size, cfg.algorithm.use_kl_loss = 8, False
+    advantages = torch.randn(16, 1, generator=generator).to(device) * batch["response_mask"]
+    weights, freed = [], 0.0
+    for offload in (False, True):
+        torch.manual_seed(0)
+        actor = load_sharded_model(args.model, device, trainable=True)
+        optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5)
+        for _ in range(2):
+            if offload:
+                before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+                move_training_state("cpu", [actor], optimizer)
+                freed = (before - (torch.cuda.memory_allocated() if device.type == "cuda" else 0)) / 2**30
+                move_training_state(device, [actor], optimizer)
+            update_policy(actor, optimizer, batch, None, None, advantages, cfg)
+        weights.append([p.full_tensor().float() for p in actor.parameters()])
+    mask = batch["response_mask"].bool()
+    return {"packed_vs_padded_max": (packed - padded)[mask].abs().max().item(), "tokens": int(mask.sum()),
+            "offload_weight_diff_max": max((a - b).abs().max().item() for a, b in zip(*weights)),
+            "offload_freed_gib": freed}
 
 
 # ---------------------------------------------------------------- parts that launch processes
@@ -178,12 +222,12 @@ def main():
     parser.add_argument("--out", default=".", help="folder for gpu_check.json")
     parser.add_argument("--cpu", action="store_true", help="toy sizes on the CPU (to test this script)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for the MFU")
-    parser.add_argument("--part", choices=["logprobs", "update"], help="internal: one part, inside torchrun")
+    parser.add_argument("--part", choices=["logprobs", "update", "paths"], help="internal: one part, inside torchrun")
     parser.add_argument("--model")
     parser.add_argument("--result")
     args = parser.parse_args()
     if args.part:
-        result = part_logprobs(args) if args.part == "logprobs" else part_update(args)
+        result = {"logprobs": part_logprobs, "update": part_update, "paths": part_paths}[args.part](args)
         Path(args.result).write_text(json.dumps(result))
         return
 
@@ -196,7 +240,8 @@ def main():
     parts = {"devices": lambda: part_devices(args),
              "logprobs": lambda: in_torchrun("logprobs", args, random_model("toy" if args.cpu else "0.5b", models / "a", device)),
              "job": lambda: part_job(args),
-             "update": lambda: in_torchrun("update", args, random_model("toy" if args.cpu else "1.5b", models / "b", device))}
+             "update": lambda: in_torchrun("update", args, random_model("toy" if args.cpu else "1.5b", models / "b", device)),
+             "paths": lambda: in_torchrun("paths", args, random_model("toy" if args.cpu else "0.5b", models / "c", device))}
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
     for name, run in parts.items():
         start = time.perf_counter()

@@ -1,9 +1,9 @@
 """Run under torchrun by test_algorithms.py: the distributed loss equals the single-process loss.
 
 Each of 2 ranks holds half a mini-batch and runs it as 2 micro-batches through grpo.backward_mini_batch
-(the training code path, FSDP2); rank 0 also computes the whole mini-batch at once with a plain HF model.
-The gradients must match: the per-micro-batch normalisation by global counts is exact. REINFORCE++'s
-global whitening is checked the same way.
+(the training code path, FSDP2), then again as micro-batches formed by a token budget; rank 0 also computes
+the whole mini-batch at once with a plain HF model. The gradients must match: the per-micro-batch
+normalisation by global counts is exact. REINFORCE++'s global whitening is checked the same way.
 """
 
 import json
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from fsdp_utils import init_distributed, load_sharded_model, sum_over_ranks
-from grpo import (POLICY_LOSSES, AdvantageInputs, Config, aggregate, backward_mini_batch, batched_logprobs, make_batch,
-                  reinforce_pp_advantages, response_logprobs, select)
+from grpo import POLICY_LOSSES, AdvantageInputs, Config, aggregate, backward_mini_batch, reinforce_pp_advantages
+from logprobs import batched_logprobs, budget_bins, make_batch, response_logprobs, select, sequence_lengths
 from tiny import build_tiny_model
 
 
@@ -46,6 +46,16 @@ def main(loss_agg_mode: str, loss_type: str, out: str):
     backward_mini_batch(actor, select(batch, mine), old_mine, None, advantages[mine], cfg)
     distributed = {name: p.grad.full_tensor() for name, p in actor.named_parameters()}
 
+    # micro-batches by a token budget that just holds the longest sequence: the ranks need different numbers of
+    # them on their own and agree on the larger one; the gradient is the same
+    actor.zero_grad(set_to_none=True)
+    cfg.actor.max_tokens_per_micro_batch = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    own_count = torch.tensor([len(budget_bins(sequence_lengths(select(batch, mine)), cfg.actor.max_tokens_per_micro_batch))])
+    counts = [torch.zeros_like(own_count) for _ in range(world)]
+    dist.all_gather(counts, own_count)
+    backward_mini_batch(actor, select(batch, mine), old_mine, None, advantages[mine], cfg)
+    budget = {name: p.grad.full_tensor() for name, p in actor.named_parameters()}
+
     # REINFORCE++: whitening over both ranks' tokens equals whitening of the whole batch in one place
     token_rewards = torch.randn(mask.shape, generator=g) * mask
     cfg.algorithm.gamma = 0.9
@@ -64,11 +74,13 @@ def main(loss_agg_mode: str, loss_type: str, out: str):
                   token_sum_norm=cfg.rollout.max_response_length).backward()
         single = dict(model.named_parameters())
         grad_diff = max((distributed[k] - single[k].grad).abs().max().item() for k in distributed)
+        budget_diff = max((budget[k] - single[k].grad).abs().max().item() for k in budget)
         grad_scale = max(single[k].grad.abs().max().item() for k in distributed)
         whole = reinforce_pp_advantages(AdvantageInputs(token_rewards, mask, 1), cfg.algorithm)
         whitening_diff = (torch.cat(pieces) - whole).abs().max().item()
         with open(out, "w") as f:
-            json.dump({"grad_diff": grad_diff, "grad_scale": grad_scale, "whitening_diff": whitening_diff}, f)
+            json.dump({"grad_diff": grad_diff, "grad_scale": grad_scale, "whitening_diff": whitening_diff,
+                       "budget_diff": budget_diff, "budget_counts": [int(c) for c in counts]}, f)
     dist.barrier()
     dist.destroy_process_group()
 

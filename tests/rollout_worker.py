@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
 from fsdp_utils import init_distributed, load_sharded_model, stream_full_weights
-from grpo import batched_logprobs, make_batch
+from logprobs import batched_logprobs, make_batch
 from rollout import RolloutConfig, build_rollout, vllm_environment
 from tiny import VISION_ARCHITECTURES, build_tiny_model
 

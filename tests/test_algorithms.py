@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from conftest import torchrun
-from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, aggregate, batched_logprobs,
-                  cispo_loss, dr_grpo_advantages, grpo_advantages, grpo_passk_advantages, gspo_loss, gspo_token_loss,
-                  kl_penalty, make_batch, keep_group, ppo_clip_loss, reinforce_pp_advantages, remax_advantages,
-                  rloo_advantages, sapo_loss, token_rewards)
+from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, aggregate, cispo_loss,
+                  dr_grpo_advantages, grpo_advantages, grpo_passk_advantages, gspo_loss, gspo_token_loss, keep_group,
+                  kl_penalty, ppo_clip_loss, reinforce_pp_advantages, remax_advantages, rloo_advantages, sapo_loss,
+                  token_rewards)
+from logprobs import batched_logprobs, make_batch
 
 
 def outcome(estimator, scores: torch.Tensor, baselines=None) -> torch.Tensor:
@@ -81,14 +82,6 @@ def test_aggregation_by_hand():
     # a micro-batch's share uses the global counts: two halves add up to the whole
     halves = [aggregate(loss[i : i + 1], mask[i : i + 1], "token-mean", **counts) for i in range(2)]
     assert sum(h.item() for h in halves) == pytest.approx(7 / 3)
-
-
-def test_make_batch_layout():
-    batch = make_batch([[5, 6, 7], [8]], [[9, 2], [10, 11, 2]], pad_id=0)
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 2], [8, 10, 11, 2, 0]]
-    assert batch["responses"].tolist() == [[9, 2, 0], [10, 11, 2]]
-    assert batch["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
-    assert batch["prompt_lengths"].tolist() == [3, 1]
 
 
 def test_logprobs_do_not_depend_on_padding_or_batching(tmp_path):
@@ -259,24 +252,27 @@ def test_dynamic_sampling_keeps_only_keep_groups():
 @pytest.mark.parametrize("loss_agg_mode, loss_type", [("token-mean", "ppo_clip"), ("seq-mean-token-mean", "gspo"),
                                                       ("seq-mean-token-sum", "cispo")])
 def test_two_ranks_two_micro_batches_equal_one_batch(tmp_path, loss_agg_mode, loss_type):
-    """Under torchrun (gloo, FSDP2): 2 ranks x 2 micro-batches give the gradient of the whole batch at once."""
+    """Under torchrun (gloo, FSDP2): 2 ranks x 2 micro-batches give the gradient of the whole batch at once, and so
+    do micro-batches by a token budget, of which one rank needs more than the other on its own."""
     out = tmp_path / "result.json"
     torchrun(["tests/algorithms_worker.py", loss_agg_mode, loss_type, str(out)])
     result = json.loads(out.read_text())
     assert result["grad_scale"] > 1e-3, "the test batch must produce a real gradient"
     assert result["grad_diff"] < 1e-5 * max(1.0, result["grad_scale"])
+    assert result["budget_diff"] < 1e-5 * max(1.0, result["grad_scale"])
+    assert len(set(result["budget_counts"])) > 1, "the ranks must need different numbers of micro-batches on their own"
     assert result["whitening_diff"] < 1e-5
 
 
 def test_lr_schedule_warmup_then_cosine():
-    from grpo import ActorConfig, lr_lambda
+    from optimizer import lr_lambda
 
-    factor = lr_lambda(ActorConfig(warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1), total_steps=6)
+    factor = lr_lambda(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, total_steps=6)
     # warm-up (step + 1) / 2; then cosine over the 4 remaining steps from 1 down to 0.1
     expected = [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)), 0.55,
                 0.1 + 0.9 * 0.5 * (1 + math.cos(3 * math.pi / 4))]
     assert [factor(s) for s in range(6)] == pytest.approx(expected)
-    assert lr_lambda(ActorConfig(), total_steps=6)(5) == 1.0  # constant
+    assert lr_lambda(0, "constant", 0.0, total_steps=6)(5) == 1.0
 
 
 def test_non_finite_gradient_skips_the_optimizer_step(tmp_path):
@@ -299,12 +295,12 @@ def test_non_finite_gradient_skips_the_optimizer_step(tmp_path):
         before = [p.detach().clone() for p in model.parameters()]
 
         nan_advantages = torch.full((2, 3), float("nan")) * batch["response_mask"]
-        metrics = update_policy(model, optimizer, batch, old, None, nan_advantages, cfg)
+        metrics, _ = update_policy(model, optimizer, batch, old, None, nan_advantages, cfg)
         assert metrics["actor/skipped_steps"] == 1 and not math.isfinite(metrics["actor/grad_norm"])
         assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
         advantages = torch.tensor([[1.0], [-1.0]]) * batch["response_mask"]
-        metrics = update_policy(model, optimizer, batch, old, None, advantages, cfg)
+        metrics, _ = update_policy(model, optimizer, batch, old, None, advantages, cfg)
         assert metrics["actor/skipped_steps"] == 0 and metrics["actor/optimizer_steps"] == 1
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     finally:

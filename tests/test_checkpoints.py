@@ -26,6 +26,7 @@ from conftest import ROOT, free_port, torchrun
 
 FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
         "--actor.micro-batch-size", "8"]
+BF16_ADAMW = ["--actor.optimizer", "adamw_bf16"]
 NOT_REPRODUCIBLE = ("timing/", "perf/")  # wall-clock time and memory, not the training's numbers
 # Printed by torch's C++ logger from vLLM's CPU worker, before grpo.py runs (TORCH_CPP_LOG_LEVEL is read once, when
 # torch loads): one line per rank, CPU only.
@@ -49,11 +50,18 @@ def run_job(tmp_path: Path, name: str, steps: int, *flags: str, nproc: int = 2) 
 @pytest.fixture(scope="module")
 def straight_and_resumed(tmp_path_factory):
     """The same 4-step job twice: straight, and as 2 steps plus a second launch that resumes and trains 3-4.
-    Returns the output folder and the console output of the straight run and of the resuming launch."""
+    Returns the output folder and the console output of the straight run and of the resuming launch.
+
+    All three launches use AdamW with bf16 moments (their checkpoint and resume are exact too). The memory
+    options ride along, one per launch: the straight run moves its training state to the host while vLLM
+    generates, the first resumed launch keeps it there under FSDP2's CPU offload, the second uses neither. On a
+    CPU both moves stay in host memory, so the runs must agree bitwise: state an offload dropped, reordered or
+    failed to bring back would show as a difference.
+    """
     tmp_path = tmp_path_factory.mktemp("resume")
-    straight = run_job(tmp_path, "straight", 4)
-    run_job(tmp_path, "resumed", 2)
-    return tmp_path, straight, run_job(tmp_path, "resumed", 4)
+    straight = run_job(tmp_path, "straight", 4, *BF16_ADAMW, "--actor.offload-while-generating")
+    run_job(tmp_path, "resumed", 2, *BF16_ADAMW, "--actor.fsdp-cpu-offload")
+    return tmp_path, straight, run_job(tmp_path, "resumed", 4, *BF16_ADAMW)
 
 
 def test_resume_is_exact(straight_and_resumed):
@@ -92,11 +100,11 @@ def test_resume_onto_one_rank_from_a_two_rank_checkpoint(straight_and_resumed):
     final = tmp_path / "resumed" / "final" / "model.safetensors"
     saved = load_file(final)
     final.unlink()
-    output = run_job(tmp_path, "resumed", 4, nproc=1)  # nothing left to train: the final save is the loaded model
+    output = run_job(tmp_path, "resumed", 4, *BF16_ADAMW, nproc=1)  # nothing left to train: the final save is the loaded model
     assert "nothing to train" in output
     loaded = load_file(final)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
-    run_job(tmp_path, "resumed", 5, nproc=1)
+    run_job(tmp_path, "resumed", 5, *BF16_ADAMW, nproc=1)
     metrics = lines(tmp_path / "resumed" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5] and metrics[-1]["rollout/logprob_diff_max"] < 1e-3
 

@@ -21,7 +21,8 @@ import metrics
 from conftest import free_port
 from fsdp_utils import all_reduce, sum_over_ranks, to_floats
 from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, Config, Group, aggregate,
-                  backward_mini_batch, batched_logprobs, kl_penalty, make_batch, response_logprobs, token_rewards)
+                  backward_mini_batch, kl_penalty, token_rewards)
+from logprobs import batched_logprobs, make_batch, response_logprobs
 from metrics import logprob_metrics, score_metrics
 from vision import vision_inputs
 
@@ -56,19 +57,35 @@ def device(request, monkeypatch):
     dist.destroy_process_group()
 
 
+class Decoder(torch.nn.Module):
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.embed, self.position = torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(32, hidden)
+
+    def forward(self, input_ids, position_ids):
+        return SimpleNamespace(last_hidden_state=torch.tanh(self.embed(input_ids) + self.position(position_ids)))
+
+    def get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw, attention_mask):
+        """Text-only rows: the 3-D positions of M-RoPE are the 1-D ones, three times."""
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand(3, *input_ids.shape), None
+
+
 class StandIn(torch.nn.Module):
-    """A tiny causal LM with transformers' calling convention (a real one cannot run on meta end to end), and a
-    vision-language model's config, so the placeholder-token bias runs too."""
+    """A tiny causal LM with transformers' calling convention and layout (a decoder `model`, an output head; a real
+    one cannot run on meta end to end), and a vision-language model's config, so the placeholder-token bias runs
+    too (its 2-D position ids are those of a text-only micro-batch, which is all this batch holds)."""
 
     def __init__(self, vocab: int = 16, hidden: int = 8):
         super().__init__()
         self.config = SimpleNamespace(vision_config={}, image_token_id=14, video_token_id=15)
-        self.embed, self.position, self.head = (torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(32, hidden),
-                                                torch.nn.Linear(hidden, vocab))
+        self.model, self.head = Decoder(vocab, hidden), torch.nn.Linear(hidden, vocab)
 
-    def forward(self, input_ids, position_ids, use_cache=False):
-        hidden = self.embed(input_ids) + self.position(position_ids)
-        return SimpleNamespace(logits=self.head(torch.tanh(hidden)))
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, position_ids, logits_to_keep, use_cache=False):
+        hidden = self.model(input_ids, position_ids[0] if position_ids.dim() == 3 else position_ids)  # [4, 1, S]: text row
+        return SimpleNamespace(logits=self.head(hidden.last_hidden_state[:, logits_to_keep]))
 
 
 def rollout_batch(device):
@@ -84,14 +101,16 @@ def assert_on(device, *tensors):
         assert t.device.type == device.type, f"a result is on {t.device}, not {device}"
 
 
-def test_batch_and_logprobs_stay_on_the_device(device):
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_batch_and_logprobs_stay_on_the_device(device, padding_free):
+    """Packed or padded: every index (built on the host from the lengths) meets the data on its device."""
     batch = rollout_batch(device)
-    assert_on(device, *batch.values())
+    assert_on(device, *(v for v in batch.values() if isinstance(v, torch.Tensor)))
     with torch.device(device):
         model = StandIn()
-    logprobs = response_logprobs(model, batch, temperature=0.7)  # the GPU crash of issue 6 lived here
+    logprobs = response_logprobs(model, batch, 0.7, padding_free)  # the GPU crash of issue 6 lived here
     assert logprobs.shape == batch["response_mask"].shape
-    assert_on(device, logprobs, batched_logprobs(model, batch, 0.7, micro_batch_size=3))
+    assert_on(device, logprobs, batched_logprobs(model, batch, 0.7, micro_batch_size=3, padding_free=padding_free))
 
 
 def test_image_inputs_follow_the_batch_to_its_device(device):
@@ -140,6 +159,8 @@ def test_update_and_metrics_stay_on_the_device(device):
     cfg.actor.micro_batch_size = 2
     sums = backward_mini_batch(model, batch, old, old + 0.1, torch.ones_like(old), cfg)  # loss + KL loss + backward
     assert_on(device, *sums.values(), *(p.grad for p in model.parameters()))
+    on_policy = backward_mini_batch(model, batch, None, old + 0.1, torch.ones_like(old), cfg)  # the update's own old
+    assert_on(device, *on_policy.values())
     metrics = logprob_metrics(batch, old, old - 0.1)
     responses = [SimpleNamespace(token_ids=[9, 2], truncated=False), SimpleNamespace(token_ids=[3] * 4, truncated=True)]
     groups = [Group({}, responses, [{"overall": 1.0, "accuracy": 1.0}, {"overall": 0.0, "accuracy": 0.0}])]

@@ -17,3 +17,5 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     assert report["job"]["steps"] == 2 and report["job"]["engine_gap_max"] < 1e-3
     update = report["update"]
     assert update["tokens"] == 8 * 32 and update["tokens_per_s"] > 0 and update["mfu"] is None
+    paths = report["paths"]
+    assert paths["packed_vs_padded_max"] < 1e-4 and paths["offload_weight_diff_max"] == 0.0

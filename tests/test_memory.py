@@ -6,7 +6,8 @@ import pytest
 from transformers import Qwen2Config
 
 import memory
-from memory import ACTIVATIONS, OVERHEAD, REFERENCE, VLLM, GiB, check_memory, count_parameters, estimate_memory
+from memory import (ACTIVATIONS, ACTOR_STATE, LOGITS, OVERHEAD, REFERENCE, VLLM, GiB, check_memory, count_parameters,
+                    estimate_memory, gpus_needed, hardware_table)
 
 QWEN_7B = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
@@ -52,12 +53,12 @@ def test_every_item_against_hand_computed_numbers():
     P, W, h, I, L, V = qwen2_parameters(TINY), 4, 64, 160, 3, 1000
     T = 4 * 2048
     with_kl = estimate_memory(TINY, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
-    assert with_kl.rollout == {"actor: fp32 params + AdamW states": 12 * P // W, REFERENCE: 2 * P // W,
-                               VLLM: int(0.5 * GPU_80GB), OVERHEAD: 2 * GiB}
+    assert with_kl.rollout == {ACTOR_STATE: 12 * P // W, REFERENCE: 2 * P // W, VLLM: int(0.5 * GPU_80GB),
+                               OVERHEAD: 2 * GiB}
     assert with_kl.training == {
-        "actor: fp32 params + grads + AdamW states": 16 * P // W, REFERENCE: 2 * P // W,
+        ACTOR_STATE + " + grads": 16 * P // W, REFERENCE: 2 * P // W,
         "gathered bf16 units: root + 2 layers": 2 * (qwen2_root_parameters(TINY) + 2 * qwen2_layer_parameters(TINY)),
-        ACTIVATIONS: T * L * (17 * h + 8 * I), "logits: bf16 + fp32 + log_softmax": T * V * 10, OVERHEAD: 2 * GiB}
+        ACTIVATIONS: T * L * (17 * h + 8 * I), LOGITS: 1024 * V * 10, OVERHEAD: 2 * GiB}  # one 1024-token head chunk
     assert with_kl.vllm_needs == 2 * P + GiB
     assert with_kl.training_total == sum(with_kl.training.values())
 
@@ -82,6 +83,34 @@ def test_gradient_checkpointing_lowers_the_training_activations():
     assert checkpointed.training["activations (checkpointed)"] < full.training[ACTIVATIONS] / 10
     assert checkpointed.training_total < full.training_total
     assert checkpointed.rollout == full.rollout
+
+
+def test_precision_offload_and_token_budget_by_hand():
+    """bf16 weights with bf16 moments: 2 + 4 bytes per parameter resident, 2 + 2 + 4 while training; offloading
+    while generating leaves nothing of the actor or reference on the GPU then; FSDP2's CPU offload nothing at all;
+    a token budget sets the micro-batch's tokens."""
+    P, W, h, I, L = qwen2_parameters(TINY), 4, 64, 160, 3
+    options = dict(world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
+    bf16 = estimate_memory(TINY, param_bytes=2, moment_bytes=4, **options)
+    assert bf16.rollout[ACTOR_STATE] == 6 * P // W and bf16.training[ACTOR_STATE + " + grads"] == 8 * P // W
+    generating = estimate_memory(TINY, offload_while_generating=True, **options)
+    assert generating.rollout[ACTOR_STATE] == generating.rollout[REFERENCE] == 0
+    assert generating.training[ACTOR_STATE + " + grads"] == 16 * P // W  # back on the GPU to train
+    offloaded = estimate_memory(TINY, cpu_offload=True, **options)
+    assert offloaded.training[ACTOR_STATE + " + grads"] == offloaded.training[REFERENCE] == 0
+    budget = estimate_memory(TINY, max_tokens_per_micro_batch=512, **options)
+    assert budget.training[ACTIVATIONS] == 512 * L * (17 * h + 8 * I) and budget.training[LOGITS] == 512 * 1000 * 10
+
+
+def test_the_hardware_table_uses_fewer_gpus_with_bf16_states():
+    """The README's table: bf16 weights and moments need no more GPUs than fp32 ones, and fewer for 7B."""
+    options = dict(kl=True, micro_batch_size=1, max_seq_len=8192, max_tokens_per_micro_batch=8192,
+                   gradient_checkpointing=True)
+    fp32, bf16 = (gpus_needed(QWEN_7B, GPU_80GB, **options, **setup) for setup in
+                  (dict(param_bytes=4, moment_bytes=8), dict(param_bytes=2, moment_bytes=4)))
+    assert bf16[0] < fp32[0]
+    table = hardware_table(80)
+    assert len(table.splitlines()) == 2 + 4 and " 7B " in table.splitlines()[0]  # header, rule, one row per setup
 
 
 # ---------------------------------------------------------------- refusals

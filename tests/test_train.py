@@ -61,11 +61,14 @@ def test_three_steps_end_to_end(tmp_path):
     assert not (run_dir / "final.tmp").exists()
 
 
-@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
-def test_text_architectures_train(tmp_path, architecture):
+@pytest.mark.parametrize("architecture, batching", [("qwen3", ["--actor.max-tokens-per-micro-batch", "300"]),
+                                                    ("llama", ["--actor.no-padding-free"])])
+def test_text_architectures_train(tmp_path, architecture, batching):
+    """Each text architecture, one with token-budget micro-batches, one padded instead of packed; the engine
+    agrees with the trainer after every sync."""
     output = torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--trainer.total-steps", "2",
                        "--trainer.output-dir", str(tmp_path), "--trainer.experiment-name", architecture,
-                       "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.verbose", *FAST])
+                       "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.verbose", *FAST, *batching])
     assert "Failed to load weights" in output  # --trainer.verbose shows vLLM's (expected) per-sync warnings
     metrics = read_metrics(tmp_path / architecture)
     assert len(metrics) == 2
@@ -149,6 +152,8 @@ def test_multi_node_on_loopback_without_a_shared_folder(tmp_path):
     (["--algorithm.use-kl-in-reward"], "pick one place for the KL"),
     (["--trainer.rollout-batch-size", "30", "--trainer.global-batch-size", "8"], "--trainer.rollout-batch-size 30 must be a multiple"),
     (["--actor.micro-batch-size", "3"], "--actor.micro-batch-size 3 must divide"),
+    (["--actor.max-tokens-per-micro-batch", "100"], "must hold the longest sequence"),
+    (["--rollout.engine", "hf", "--actor.offload-while-generating"], "the hf engine generates with the actor itself"),
 ])
 def test_invalid_config_fails_before_loading_anything(tmp_path, flags, message):
     proc = subprocess.run([sys.executable, "grpo.py", *flags, "--trainer.output-dir", str(tmp_path)], cwd=ROOT,

@@ -1,0 +1,69 @@
+"""Attention for packed sequences: flash-attn's varlen kernels where installed (GPU), else torch's sdpa run on each
+sequence of a packed row ("packed_sdpa", registered with transformers here).
+
+The trainer packs a micro-batch's sequences into one row with position ids restarting at 0 for each
+(logprobs.py). Given such position ids and no attention mask, transformers' own "sdpa" builds a block-diagonal
+[S, S] mask and computes attention densely over the whole row. "packed_sdpa" asks for no mask when nothing is
+padded and runs causal sdpa once per sequence instead: each sequence attends only to itself, at the cost of
+padding-free attention, sum of L^2 (what flash-attn's varlen kernel computes on GPU). Measured on 2 CPU cores, one
+forward and backward of the tiny model's log-probs:
+
+    sequences                          padded (sdpa)   packed, sdpa's mask   packed, packed_sdpa
+    64 x (30 + 1..10 tokens)           0.106 s         0.365 s               0.104 s
+    64 x (30 + 10..60 tokens)          0.240 s         1.131 s               0.195 s
+    8 x (32 + 50..1000 tokens)         0.594 s         1.842 s               0.363 s
+
+Everything else goes to transformers' sdpa unchanged: padded batches with a mask (the hf engine's generation),
+one token at a time against a KV cache, the vision towers (bidirectional, split by their own cu_seqlens).
+"""
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+PACKED_SDPA = "packed_sdpa"
+
+
+def packed_sdpa_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
+    """No mask when no token is padded (the attention below keeps each packed sequence causal and to itself);
+    transformers' sdpa mask when the batch carries a padding mask."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          **kwargs) -> tuple[torch.Tensor, None]:
+    """Causal sdpa per sequence of one packed row (query/key/value [1, heads, S, d], position_ids [1, S] restarting
+    at 0 where each sequence starts) -> ([1, S, heads, d], None); any other call is transformers' sdpa.
+
+    Example: position_ids [[0, 1, 2, 0, 1]] -> sequences [0, 3) and [3, 5), each attending causally to itself.
+    """
+    position_ids = kwargs.get("position_ids")
+    packed_row = (attention_mask is None and position_ids is not None and query.shape[0] == 1
+                  and query.shape[2] == key.shape[2] and getattr(module, "is_causal", True))
+    if not packed_row:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    starts = (position_ids.reshape(-1) == 0).nonzero().flatten().tolist()  # one host sync per layer
+    bounds = [*starts, query.shape[2]] if starts and starts[0] == 0 else [0, *starts, query.shape[2]]
+    gqa = key.shape[1] != query.shape[1]
+    pieces = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                             dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+              for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None  # [1, S, heads, d]
+
+
+AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+AttentionMaskInterface.register(PACKED_SDPA, packed_sdpa_mask)
+
+
+def attention_implementation(device: torch.device) -> str:
+    """flash-attn (varlen kernels for packed sequences) where it is installed on a GPU; else packed_sdpa."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return PACKED_SDPA

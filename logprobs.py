@@ -1,0 +1,234 @@
+"""The trainer's batch and the log-probs of its responses: padding-free packing, token-budget micro-batches,
+and the output head applied a chunk of tokens at a time.
+
+    batch = make_batch(prompt_ids, response_ids, pad_id, engine_logprobs, device)
+    for rows in micro_batches(batch, size=64, max_tokens=0):        # or a token budget, balanced over ranks
+        logprobs = response_logprobs(model, select(batch, rows), temperature)   # [b, R], 0 on padding
+
+Design decisions:
+- The batch is right-padded [prompt | response | padding] ([B, T]); a micro-batch is packed into one row
+  for the forward (padding-free): its sequences back to back, position ids restarting at 0 for each.
+  The attention keeps each sequence to itself (flash-attn's varlen kernel on GPU, sdpa once per sequence
+  otherwise: attention.py), so a packed forward gives each sequence the log-probs it gets alone, and no compute
+  is spent on padding. Vision-language models get their 3-D M-RoPE
+  positions computed per sequence and packed the same way, under a fourth row of 1-D text positions
+  (transformers' packed format for Qwen-VL: row 0 tells the sequences apart).
+- The output head never sees the whole micro-batch: the decoder's last hidden states of the response
+  positions only ([N, H]) go through the head a chunk of CHUNK_TOKENS at a time, and each chunk's logits are
+  recomputed in the backward pass (activation checkpointing), so no [tokens, vocabulary] tensor is ever
+  alive beyond one chunk's: with a 152k vocabulary, 4 x 4k response tokens in fp32 would be 10 GB.
+  The model's own forward still runs (FSDP2 gathers and reduces the embedding and head there), asked for
+  no logits (`logits_to_keep` empty); the hidden states are taken from its decoder with a forward hook.
+- Micro-batches by count (`size` sequences) or by a token budget: with a budget, every rank needs the same
+  number of micro-batches (each forward is a collective under FSDP2), so the ranks agree on the largest
+  number any of them needs, and each spreads its sequences over that many micro-batches, longest first onto
+  the lightest, so they hold about the same number of tokens and none is over the budget.
+- Lengths live on the host (Python lists) and every index is built there and moved to the data's device
+  once: nothing here waits on the GPU to learn a shape.
+"""
+
+import itertools
+import math
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from fsdp_utils import all_reduce
+from vision import PLACEHOLDER_BIAS, is_vision_language, placeholder_token_ids, vision_inputs
+
+CHUNK_TOKENS = 1024  # response tokens per output-head chunk: 1024 x 152k vocabulary x 4 bytes = 0.6 GB of logits
+
+
+def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+               rollout_logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu",
+               vision: list[dict | None] | None = None) -> dict:
+    """Right-padded [prompt | response] sequences plus the response layout used by every loss, on `device`.
+
+    Built on the host and moved once. `rollout_logprobs` (the engine's log-prob of each sampled token)
+    rides along as `rollout_logprobs` [B, R], zero on padding. `vision`: each row's image tensors
+    (vision.expand_prompt; None for a text row), kept as a list and moved with each micro-batch. The
+    lengths stay on the host as lists (`prompt_lengths`, `response_lengths`).
+    """
+    B = len(prompt_ids)
+    T = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+    R = max(1, max(len(r) for r in response_ids))
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)  # [B, T]
+    responses = torch.full((B, R), pad_id, dtype=torch.long)  # [B, R]
+    response_mask = torch.zeros(B, R)  # [B, R]
+    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        responses[b, : len(r)] = torch.tensor(r)
+        response_mask[b, : len(r)] = 1
+    batch = {"input_ids": input_ids, "responses": responses, "response_mask": response_mask}
+    if rollout_logprobs is not None:
+        batch["rollout_logprobs"] = torch.zeros(B, R)  # [B, R]
+        for b, logprobs in enumerate(rollout_logprobs):
+            batch["rollout_logprobs"][b, : len(logprobs)] = torch.tensor(logprobs)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch.update(prompt_lengths=[len(p) for p in prompt_ids], response_lengths=[len(r) for r in response_ids])
+    return {**batch, "vision": vision} if vision is not None else batch
+
+
+def select(batch: dict, rows: slice | list[int]) -> dict:
+    """The rows of a batch (a slice, or a list of row indices), tensors and host lists alike."""
+    if isinstance(rows, slice):
+        return {k: v[rows] for k, v in batch.items()}
+    picked = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            picked[key] = value[torch.tensor(rows, device=value.device)]
+        else:
+            picked[key] = [value[i] for i in rows]
+    return picked
+
+
+def sequence_lengths(batch: dict) -> list[int]:
+    return [p + r for p, r in zip(batch["prompt_lengths"], batch["response_lengths"])]
+
+
+# ---- micro-batches -----------------------------------------------------------------------------------
+
+
+def balanced_bins(lengths: list[int], count: int) -> list[list[int]]:
+    """Spread row indices over `count` bins, longest first onto the lightest bin (rows ascending in each bin).
+
+    Example: lengths [5, 1, 4, 2, 3], 2 bins -> [[0, 1, 3], [2, 4]] (8 and 7 tokens).
+    """
+    bins, loads = [[] for _ in range(count)], [0] * count
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        lightest = loads.index(min(loads))
+        bins[lightest].append(row)
+        loads[lightest] += lengths[row]
+    return [sorted(b) for b in bins]
+
+
+def budget_bins(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """The fewest balanced bins (balanced_bins) that each hold at most `max_tokens` tokens."""
+    count = max(1, math.ceil(sum(lengths) / max_tokens))
+    while True:
+        bins = balanced_bins(lengths, count)
+        if max(sum(lengths[i] for i in b) for b in bins) <= max_tokens:
+            return bins
+        count += 1
+
+
+def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[list[int]]:
+    """Row indices of each micro-batch of `batch`: `size` consecutive rows at a time, or (`max_tokens` > 0)
+    the same number of micro-batches on every rank, each holding at most `max_tokens` tokens.
+
+    With a budget, the ranks agree (one all-reduce) on the largest number of micro-batches any rank needs; a
+    rank that needs fewer splits its heaviest ones in two until it has as many. Every sequence must fit the
+    budget on its own (grpo.check_config makes sure of it).
+    """
+    rows = len(batch["prompt_lengths"])
+    if not max_tokens:
+        return [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
+    lengths = sequence_lengths(batch)
+    bins = budget_bins(lengths, max_tokens)
+    device = batch["response_mask"].device
+    count = int(all_reduce({"micro_batches": len(bins)}, device, dist.ReduceOp.MAX)["micro_batches"].item())
+    if count > rows:
+        raise ValueError(f"a rank needs {count} micro-batches for {rows} sequences: every rank holds the same number of "
+                         "sequences, so one rank's sequences are longer than the budget allows")
+    while len(bins) < count:
+        heaviest = max((b for b in bins if len(b) > 1), key=lambda b: sum(lengths[i] for i in b))
+        bins.remove(heaviest)
+        bins += [[heaviest[i] for i in half] for half in balanced_bins([lengths[i] for i in heaviest], 2)]
+    return bins
+
+
+# ---- log-probs --------------------------------------------------------------------------------------
+
+
+def forward_inputs(model, batch: dict, padding_free: bool) -> tuple[dict, torch.Tensor]:
+    """The model's forward arguments for a micro-batch, and the index, into its flattened token positions, of
+    the position that predicts each valid response token ([N], row by row).
+
+    Packed: input_ids [1, S] with S the total length, position_ids [1, S] restarting at 0 for each sequence
+    (vision-language: [4, 1, S], text positions over the 3-D M-RoPE ones). Padded: input_ids [b, T] cut to
+    the micro-batch's longest sequence; a vision-language model with images computes its own positions.
+    Example, packed prompts [5, 6] and [7] with responses [8, 9] and [10]: input_ids [[5, 6, 8, 9, 7, 10]],
+    position_ids [[0, 1, 2, 3, 0, 1]], index [1, 2, 4].
+    """
+    prompts, responses = batch["prompt_lengths"], batch["response_lengths"]
+    lengths = [p + r for p, r in zip(prompts, responses)]
+    T, device = max(lengths), batch["input_ids"].device
+    padded = batch["input_ids"][:, :T]  # [b, T]
+    if padding_free:  # every index is built on the host, then moved: boolean masks would make the GPU wait
+        starts = [0, *itertools.accumulate(lengths)][:-1]
+        tokens = torch.tensor([b * T + t for b, n in enumerate(lengths) for t in range(n)], device=device)  # [S]
+        input_ids = padded.flatten()[tokens][None]  # [1, S]
+        positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)  # [1, S]
+    else:
+        starts, input_ids = [b * T for b in range(len(lengths))], padded
+        positions = torch.arange(T, device=device).expand(len(lengths), T)  # [b, T]
+    index = torch.tensor([start + p - 1 + t for start, p, r in zip(starts, prompts, responses) for t in range(r)])
+    images = vision_inputs(model, input_ids, batch.get("vision"))
+    if padding_free and is_vision_language(model.config):  # each sequence's 3-D M-RoPE positions, then packed
+        valid = torch.arange(T) < torch.tensor(lengths)[:, None]  # [b, T]
+        rope, _ = model.model.get_rope_index(padded, (padded == model.config.image_token_id).int(),
+                                             image_grid_thw=images.get("image_grid_thw"),
+                                             attention_mask=valid.int().to(device))  # [3, b, T]
+        positions = torch.cat([positions[None], rope.flatten(1)[:, tokens][:, None]])  # [4, 1, S]
+    elif images:  # padded, with images: the model computes its own 3-D positions
+        positions = None
+    inputs = {"input_ids": input_ids, **images}
+    if positions is not None:
+        inputs["position_ids"] = positions
+    return inputs, index.to(device)
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    placeholders: list[int]) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature)[target] for one chunk: [c, H] -> [c], through fp32 logits."""
+    logits = head(hidden).float() / temperature  # [c, V]
+    if placeholders:
+        logits[:, placeholders] += PLACEHOLDER_BIAS / temperature
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [c]
+
+
+def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                  placeholders: list[int], chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+    """Log-probs of `targets` [N] from the hidden states that predict them [N, H], `chunk` tokens at a time;
+    with gradients, each chunk's logits are recomputed in the backward pass instead of kept."""
+    pieces = []
+    for h, y in zip(hidden.split(chunk), targets.split(chunk)):
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, head, h, y, temperature, placeholders, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(head, h, y, temperature, placeholders))
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0)
+
+
+def response_logprobs(model, batch: dict, temperature: float, padding_free: bool = True) -> torch.Tensor:
+    """log pi(response token | everything before it), logits divided by the sampling temperature -> [b, R],
+    0 on padding.
+
+    A vision-language model's image placeholder tokens get the engines' logit bias (vision.py).
+    """
+    inputs, index = forward_inputs(model, batch, padding_free)
+    captured = []
+    hook = model.model.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+    try:  # the model's own forward (FSDP2's hooks run), asked for no logits: the decoder's output is all we take
+        model(**inputs, use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=index.device))
+    finally:
+        hook.remove()
+    hidden = captured[0].flatten(0, 1)[index]  # [N, H]: the positions that predict the response tokens
+    b, R = batch["responses"].shape
+    slots = torch.tensor([row * R + t for row, r in enumerate(batch["response_lengths"]) for t in range(r)],
+                         device=index.device)  # [N]: each valid response token's place in the [b, R] layout
+    values = head_logprobs(model.get_output_embeddings(), hidden, batch["responses"].flatten()[slots], temperature,
+                           placeholder_token_ids(model.config))  # [N]
+    return values.new_zeros(b * R).index_copy(0, slots, values).view(b, R)  # [b, R], 0 on padding
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch: dict, temperature: float, micro_batch_size: int, max_tokens: int = 0,
+                     padding_free: bool = True) -> torch.Tensor:
+    """response_logprobs over micro-batches (micro_batches) -> [B, R]."""
+    out = torch.zeros(batch["response_mask"].shape, device=batch["response_mask"].device)  # [B, R]
+    for rows in micro_batches(batch, micro_batch_size, max_tokens):
+        out[torch.tensor(rows, device=out.device)] = response_logprobs(model, select(batch, rows), temperature,
+                                                                       padding_free)
+    return out

@@ -1,0 +1,133 @@
+"""optimizer.py: AdamW with bf16 moments against hand-computed numbers and against torch's fp32 AdamW, on plain
+tensors and on FSDP2's sharded ones; bf16 master weights; the memory moves of offloading."""
+
+import copy as copy_module
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from conftest import free_port
+from fsdp_utils import load_sharded_model, move_training_state
+from optimizer import AdamWBF16States, build_optimizer
+from tiny import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_first_step_by_hand():
+    """Step 1, g = 0.1, lr 0.1: the bias-corrected moments are g and g^2, so p moves by -lr (eps aside); with
+    weight decay 0.5 the parameter is first scaled by 1 - lr * 0.5."""
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    p.grad = torch.tensor([0.1, -0.1])
+    AdamWBF16States([p], lr=0.1, weight_decay=0.5).step()
+    torch.testing.assert_close(p.detach(), torch.tensor([1.0 * 0.95 - 0.1, -2.0 * 0.95 + 0.1]), atol=1e-6, rtol=0)
+
+
+def model_and_gradients(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    inputs = [torch.randn(8, 16) for _ in range(30)]
+    return model, inputs
+
+
+def train(model, optimizer, inputs):
+    for x in inputs:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+class AdamWFP32States(AdamWBF16States):
+    state_dtype = torch.float32
+
+
+@pytest.mark.parametrize("optimizer_class, tolerance", [(AdamWFP32States, 1e-6), (AdamWBF16States, 2**-6)])
+def test_bf16_moments_match_fp32_adamw_within_bf16_tolerance(optimizer_class, tolerance):
+    """30 steps on the same data. With fp32 moments the update is torch's AdamW to 1e-6 (the formula); with bf16
+    moments the weights stay within 2^-6 (a few bf16 roundings, 2^-8 each, carried along the trajectory) of how
+    far torch's AdamW moved them; the moments are bf16 (half the state memory), the parameters keep their fp32."""
+    reference, inputs = model_and_gradients()
+    train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=1e-2), inputs)
+    model, _ = model_and_gradients()
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = optimizer_class(model.parameters(), lr=1e-2, weight_decay=1e-2)
+    train(model, optimizer, inputs)
+    for p, q, p0 in zip(model.parameters(), reference.parameters(), start):
+        moved = (q - p0).abs().max().item()
+        assert moved > 0.05  # 30 steps of lr 1e-2 moved every tensor
+        assert (p - q).abs().max().item() < tolerance * moved
+        assert p.dtype == torch.float32
+    state = optimizer.state[next(model.parameters())]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == optimizer_class.state_dtype
+    assert state["step"].item() == 30
+
+
+def test_a_reloaded_optimizer_keeps_bf16_moments_and_continues_exactly():
+    """torch's Optimizer.load_state_dict casts state to the parameters' dtype; the moments must come back bf16, or a
+    resumed run would carry unrounded moments and drift from the straight one (seen in the resume test)."""
+    model, inputs = model_and_gradients()
+    optimizer = AdamWBF16States(model.parameters(), lr=1e-2)
+    train(model, optimizer, inputs[:3])
+    copy, _ = model_and_gradients()
+    copy.load_state_dict(model.state_dict())
+    reloaded = AdamWBF16States(copy.parameters(), lr=1e-2)
+    reloaded.load_state_dict(copy_module.deepcopy(optimizer.state_dict()))  # as from a file: no shared tensors
+    assert all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.bfloat16 for s in reloaded.state.values())
+    train(model, optimizer, inputs[3:6])
+    train(copy, reloaded, inputs[3:6])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), copy.parameters()))
+
+
+def test_bf16_moments_on_fsdp2_shards_equal_the_plain_update(world_of_one):
+    """Under FSDP2 the parameters and moments are DTensors and the update works on the local shards: the same
+    weights as on plain tensors, and the moments stay DTensors (so distributed checkpoints shard them)."""
+    plain, inputs = model_and_gradients()
+    train(plain, AdamWBF16States(plain.parameters(), lr=1e-2), inputs[:5])
+    sharded, _ = model_and_gradients()
+    fully_shard(sharded)
+    optimizer = AdamWBF16States(sharded.parameters(), lr=1e-2)
+    train(sharded, optimizer, inputs[:5])
+    for p, q in zip(sharded.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, atol=1e-6, rtol=0)
+    assert isinstance(optimizer.state[next(sharded.parameters())]["exp_avg"], DTensor)
+
+
+def test_bf16_master_weights_train_in_bf16(tmp_path, world_of_one):
+    """--actor.dtype bfloat16 --actor.optimizer adamw_bf16: bf16 shards and bf16 moments, and the step moves them."""
+    model = load_sharded_model(str(build_tiny_model("qwen2", tmp_path / "m")), torch.device("cpu"), trainable=True,
+                               dtype=torch.bfloat16)
+    optimizer = build_optimizer(model.parameters(), "adamw_bf16", lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    model(input_ids=torch.tensor([[1, 20, 21, 22]])).logits.float().square().mean().backward()
+    optimizer.step()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in optimizer.state.values())
+    assert all(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+
+
+def test_offloading_moves_every_model_tensor_and_moment(tmp_path, world_of_one):
+    """move_training_state moves the shards of every model given and every optimizer moment, and leaves AdamW's
+    step counts on the host (torch's AdamW refuses device step counts). On a CPU the one other device at hand is
+    `meta`, which keeps no values: enough to see that nothing is left behind."""
+    path = str(build_tiny_model("qwen2", tmp_path / "m"))
+    actor = load_sharded_model(path, torch.device("cpu"), trainable=True)
+    ref = load_sharded_model(path, torch.device("cpu"), trainable=False)
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    actor(input_ids=torch.tensor([[1, 20, 21]])).logits.sum().backward()
+    optimizer.step()
+    move_training_state("meta", [actor, ref], optimizer)
+    tensors = [*actor.parameters(), *ref.parameters()]
+    assert all(t.device.type == "meta" for t in tensors)
+    moments = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    assert moments and all(v.device.type == "meta" for v in moments)
+    assert all(s["step"].device.type == "cpu" for s in optimizer.state.values())
