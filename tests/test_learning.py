@@ -2,7 +2,7 @@
 
 GRPO: the exact default job a newcomer runs climbs from chance to >= 0.8, with either rollout engine; so does
 the built-in visual task (`toy_vision`: a tiny VLM, images through vLLM and FSDP2).
-RLOO and DAPO (their presets, 60 steps): the accuracy on the task rises clearly. DAPO has no KL to keep
+RLOO and DAPO (their presets, 40 and 60 steps): the accuracy on the task rises clearly. DAPO has no KL to keep
 it exploring, so it learns the digit but not always to stop in that time; RLOO's KL-in-reward is too
 weak for that too.
 """
@@ -43,9 +43,11 @@ def test_a_tiny_vlm_learns_the_builtin_visual_task(tmp_path):
     assert max(m["rollout/logprob_diff_max"] for m in metrics) < 1e-3
 
 
-@pytest.mark.parametrize("preset", ["rloo", "dapo"])
-def test_rloo_and_dapo_raise_the_accuracy(tmp_path, preset):
-    torchrun(["grpo.py", preset, "--trainer.total-steps", "60", "--trainer.output-dir", str(tmp_path),
+@pytest.mark.parametrize("preset, steps", [("rloo", 40), ("dapo", 60)])
+def test_rloo_and_dapo_raise_the_accuracy(tmp_path, preset, steps):
+    """Measured: RLOO's accuracy 0.01 over steps 1-5, 0.45 over 36-40; DAPO's 0.07, then 0.38 over 56-60 (it has no
+    KL and climbs later)."""
+    torchrun(["grpo.py", preset, "--trainer.total-steps", str(steps), "--trainer.output-dir", str(tmp_path),
               "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final"], timeout=1200)
     metrics = [json.loads(line) for line in (tmp_path / "toy-grpo" / "metrics.jsonl").read_text().splitlines()]
     accuracy = [m["train/reward_accuracy"] for m in metrics]
