@@ -164,9 +164,7 @@ def load_checkpoint(checkpoint: Path, model, optimizer) -> dict:
     checkpoint = Path(checkpoint)
     state = read_state(checkpoint)
     if state["model_only"]:
-        tensors = {"model": get_model_state_dict(model)}
-        dcp.load(tensors, checkpoint_id=checkpoint / "model_optimizer")
-        set_model_state_dict(model, tensors["model"])
+        load_model(checkpoint, model)
     else:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         tensors = {"model": model_state, "optimizer": optimizer_state}
@@ -176,6 +174,13 @@ def load_checkpoint(checkpoint: Path, model, optimizer) -> dict:
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))
     return state
+
+
+def load_model(checkpoint: Path, model) -> None:
+    """Only the model's weights from a checkpoint, on any number of ranks (an optimizer state in it is skipped)."""
+    tensors = {"model": get_model_state_dict(model)}
+    dcp.load(tensors, checkpoint_id=Path(checkpoint) / "model_optimizer")
+    set_model_state_dict(model, tensors["model"])
 
 
 def rng_state() -> dict:

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from attention import attention_implementation
+from lora import LoRAConfig, add_adapters, has_adapters, merged_weights
 from vision import is_vision_language, keep_vision_tower_in_step
 
 
@@ -92,19 +93,23 @@ def model_class(config):
 
 
 def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: torch.dtype = torch.float32,
-                       gradient_checkpointing: bool = False, cpu_offload: bool = False):
+                       gradient_checkpointing: bool = False, cpu_offload: bool = False, lora: LoRAConfig | None = None):
     """Build the HF model on the meta device, shard it with FSDP2, fill it from rank 0's checkpoint.
 
     `dtype` is the stored (master) dtype: fp32 for the actor unless --actor.dtype says otherwise; the frozen
     reference needs no fp32 master copy, so on GPU it is stored in bf16, half the memory. `cpu_offload`: FSDP2
     keeps the parameters, gradients and optimizer states in CPU memory and copies each unit to the device
-    for its forward and backward.
+    for its forward and backward. `lora` with a rank: peft's LoRA adapters (lora.py), the only trainable weights.
     """
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = model_class(config).from_config(config, dtype=dtype, attn_implementation=attention_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_model = model
+    with_adapters = lora is not None and lora.rank > 0
+    if with_adapters:
+        model = add_adapters(model, lora)
     mixed_precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                        if device.type == "cuda" else MixedPrecisionPolicy())
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
@@ -113,8 +118,8 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
         if type(module).__name__ in block_names:
             fully_shard(module, mp_policy=mixed_precision, offload_policy=offload)
     if is_vision_language(config):  # the vision tower's own unit (its embedding, merger), then every forward runs it
-        fully_shard(model.model.visual, mp_policy=mixed_precision, offload_policy=offload)
-        keep_vision_tower_in_step(model)
+        fully_shard(hf_model.model.visual, mp_policy=mixed_precision, offload_policy=offload)
+        keep_vision_tower_in_step(hf_model)
     fully_shard(model, mp_policy=mixed_precision, offload_policy=offload)
     model.to_empty(device="cpu" if cpu_offload else device)
     for module in model.modules() if cpu_offload else []:  # FSDP2 offloads the parameters; buffers stay on the device
@@ -122,6 +127,8 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
             module._buffers[name] = buffer.to(device)
 
     full = model_class(config).from_pretrained(path, dtype=dtype) if dist.get_rank() == 0 else None
+    if full is not None and with_adapters:  # the same wrapping, with peft's initial adapters (B = 0)
+        full = add_adapters(full, lora)
     full = {**dict(full.named_parameters()), **dict(full.named_buffers())} if full is not None else {}
     with torch.no_grad():  # every tensor through the training device (NCCL moves GPU tensors only); each rank keeps its shard
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -137,7 +144,8 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
-    model.requires_grad_(trainable)
+    if not with_adapters:  # with adapters, peft has made them the only trainable weights
+        model.requires_grad_(trainable)
     model.train(trainable)
     return model
 
@@ -192,6 +200,9 @@ def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[
     Every rank must consume the whole stream in the same order (each `full_tensor()` is a collective).
     Tied parameters appear once (under the input embedding's name), as `named_parameters` dedups them.
     """
+    if has_adapters(model):  # LoRA: the adapted weights, merged while streaming, under the base model's names
+        yield from merged_weights(model, dtype)
+        return
     for name, param in model.named_parameters():
         shard = param.to(dtype)
         yield name, shard.full_tensor() if isinstance(shard, DTensor) else shard
@@ -200,7 +211,11 @@ def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[
 def save_hf_model(model: FSDPModule, tokenizer, path: str | Path) -> None:
     """Write a Hugging Face folder (safetensors + config + tokenizer, or a VLM's processor in its place)
     atomically: tmp folder, then rename."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if has_adapters(model):  # LoRA: the merged weights under the base model's names, a plain HF model
+        dtype = next(p.dtype for n, p in model.named_parameters() if ".lora_" not in n)
+        state = {name: tensor.cpu() for name, tensor in merged_weights(model, dtype)}
+    else:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if getattr(model.config, "tie_word_embeddings", False):  # the head is the input embedding: store it once
         head = model.get_output_embeddings()
         state.pop(next(name for name, module in model.named_modules() if module is head) + ".weight", None)
@@ -208,7 +223,7 @@ def save_hf_model(model: FSDPModule, tokenizer, path: str | Path) -> None:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, state_dict=state)
+        (model.get_base_model() if has_adapters(model) else model).save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         (tmp / "COMPLETE").write_text(json.dumps({"format": "hf"}))
         shutil.rmtree(path, ignore_errors=True)

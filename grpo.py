@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -46,6 +47,7 @@ from data import DataConfig, PromptDataset, PromptItem, PromptLoader, load_rows,
 from fsdp_utils import (all_reduce, init_distributed, load_sharded_model, move_training_state, save_hf_model,
                         sum_over_ranks, to_floats)
 from logprobs import batched_logprobs, make_batch, micro_batches, response_logprobs, select
+from lora import LoRAConfig, adapters_off, base_of
 from memory import check_run_memory
 from metrics import PhaseTimer, logprob_metrics, peak_memory_gib, score_metrics, step_line
 from optimizer import build_optimizer, lr_lambda
@@ -191,6 +193,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -703,16 +706,21 @@ def main(cfg: Config) -> None:
         estimate = check_run_memory(cfg, model_path, world, torch.cuda.get_device_properties(device).total_memory)
         console.print(f"memory estimate per GPU (memory.py): rollout {estimate.rollout_total / 2**30:.1f} GiB, training "
                       f"{estimate.training_total / 2**30:.1f} GiB, of {estimate.gpu_bytes / 2**30:.1f} GiB")
-    actor_dtype = getattr(torch, cfg.actor.dtype)
+    lora = cfg.lora.rank > 0  # LoRA: the frozen base in bf16 on GPU (peft keeps the adapters in fp32)
+    actor_dtype = torch.bfloat16 if lora and device.type == "cuda" else getattr(torch, cfg.actor.dtype)
     actor = load_sharded_model(model_path, device, trainable=True, dtype=actor_dtype, cpu_offload=cfg.actor.fsdp_cpu_offload,
-                               gradient_checkpointing=cfg.actor.gradient_checkpointing)
+                               gradient_checkpointing=cfg.actor.gradient_checkpointing, lora=cfg.lora)
     ref_dtype = torch.bfloat16 if device.type == "cuda" else actor_dtype  # frozen: no fp32 master copy needed
     ref = (load_sharded_model(model_path, device, trainable=False, dtype=ref_dtype, cpu_offload=cfg.actor.fsdp_cpu_offload)
-           if uses_kl else None)  # no KL: no reference model
+           if uses_kl and not lora else None)  # no KL: no reference; LoRA: the actor with its adapters off is one
+    if lora:
+        trainable = sum(p.numel() for p in actor.parameters() if p.requires_grad)
+        console.print(f"LoRA rank {cfg.lora.rank}: {trainable:,} trainable parameters of "
+                      f"{sum(p.numel() for p in actor.parameters()):,}; the reference is the base (adapters off)")
     if cfg.actor.freeze_vision_tower:
         if processor is None:
             raise SystemExit(f"--actor.freeze-vision-tower: {cfg.actor.model_path} has no vision tower")
-        actor.model.visual.requires_grad_(False)
+        base_of(actor).model.visual.requires_grad_(False)
     optimizer = build_optimizer(actor.parameters(), cfg.actor.optimizer, cfg.actor.lr, cfg.actor.betas,
                                 cfg.actor.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.actor.warmup_steps, cfg.actor.lr_schedule,
@@ -779,7 +787,8 @@ def main(cfg: Config) -> None:
             with timer("old_logprob"):
                 old_logprobs = None if on_policy else batched_logprobs(actor, batch, **passes)
             with timer("ref_logprob"):
-                ref_logprobs = batched_logprobs(ref, batch, **passes) if ref is not None else None
+                with adapters_off(actor) if lora else nullcontext():
+                    ref_logprobs = batched_logprobs(actor if lora else ref, batch, **passes) if uses_kl else None
 
             # ---- token rewards, advantages ---------------------------------------------------------------
             scores = torch.tensor([s["overall"] for g in groups for s in g.scores], device=device)  # [B]

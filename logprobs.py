@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_utils import all_reduce
+from lora import base_of
 from vision import PLACEHOLDER_BIAS, is_vision_language, placeholder_token_ids, vision_inputs
 
 CHUNK_TOKENS = 1024  # response tokens per output-head chunk: 1024 x 152k vocabulary x 4 bytes = 0.6 GB of logits
@@ -167,7 +168,7 @@ def forward_inputs(model, batch: dict, padding_free: bool) -> tuple[dict, torch.
     images = vision_inputs(model, input_ids, batch.get("vision"))
     if padding_free and is_vision_language(model.config):  # each sequence's 3-D M-RoPE positions, then packed
         valid = torch.arange(T) < torch.tensor(lengths)[:, None]  # [b, T]
-        rope, _ = model.model.get_rope_index(padded, (padded == model.config.image_token_id).int(),
+        rope, _ = base_of(model).model.get_rope_index(padded, (padded == model.config.image_token_id).int(),
                                              image_grid_thw=images.get("image_grid_thw"),
                                              attention_mask=valid.int().to(device))  # [3, b, T]
         positions = torch.cat([positions[None], rope.flatten(1)[:, tokens][:, None]])  # [4, 1, S]
@@ -209,7 +210,8 @@ def response_logprobs(model, batch: dict, temperature: float, padding_free: bool
     """
     inputs, index = forward_inputs(model, batch, padding_free)
     captured = []
-    hook = model.model.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+    decoder = base_of(model).model  # a causal LM's decoder; a vision-language model's model (vision + language)
+    hook = decoder.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
     try:  # the model's own forward (FSDP2's hooks run), asked for no logits: the decoder's output is all we take
         model(**inputs, use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=index.device))
     finally:

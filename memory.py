@@ -10,7 +10,8 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
 - rollout (the engine generates, the trainer waits):
     actor: params + AdamW's m and v, sharded: (p + m)P/W, fp32: 12P/W (no gradients: zero_grad(set_to_none=True))
     reference (only with KL): bf16 params, sharded: 2P/W
-    (both 0 with --actor.offload-while-generating or --actor.fsdp-cpu-offload: they wait in host memory)
+    (both 0 with --actor.offload-while-generating or --actor.fsdp-cpu-offload: they wait in host memory;
+    LoRA: 2P/W, the frozen bf16 base, in both phases, and no reference: the base with its adapters off is one)
     vLLM: its whole budget, gpu_memory_utilization x GPU memory (weights 2P/tp and KV cache live inside it);
     or the HF engine: the model gathered in bf16 (2P) + the KV cache of one micro-batch (T x L x 2 x kv_heads x head_dim x 2)
     overhead: 2 GiB (CUDA context, NCCL buffers, allocator fragmentation)
@@ -123,8 +124,8 @@ class MemoryEstimate:
 def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, micro_batch_size: int, max_seq_len: int,
                     gradient_checkpointing: bool, engine: str = "vllm", gpu_memory_utilization: float = 0.5,
                     tensor_parallel_size: int = 1, max_tokens_per_micro_batch: int = 0, param_bytes: int = 4,
-                    moment_bytes: int = 8, cpu_offload: bool = False,
-                    offload_while_generating: bool = False) -> MemoryEstimate:
+                    moment_bytes: int = 8, cpu_offload: bool = False, offload_while_generating: bool = False,
+                    lora: bool = False) -> MemoryEstimate:
     """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
 
     Example: P = 1e9 on W = 4 GPUs with KL, fp32 AdamW -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
@@ -137,7 +138,10 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     T, W = max_tokens_per_micro_batch or micro_batch_size * max_seq_len, world_size
     on_gpu = 0 if cpu_offload else 1
     resident = 0 if cpu_offload or offload_while_generating else 1  # while the engine generates
-    reference = {REFERENCE: 2 * P // W} if kl else {}
+    reference = {REFERENCE: 2 * P // W} if kl and not lora else {}  # LoRA: the base is the reference
+    state_bytes, training_bytes = param_bytes + moment_bytes, 2 * param_bytes + moment_bytes  # per parameter
+    if lora:  # the frozen base in bf16, no gradients or moments for it (the adapters' few are left out)
+        state_bytes = training_bytes = 2
     if engine == "vllm":
         engine_items = {VLLM: int(gpu_memory_utilization * gpu_bytes)}
         vllm_needs = 2 * P // tensor_parallel_size + GiB
@@ -151,9 +155,9 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
         raise ValueError(f"unknown rollout engine {engine!r}: vllm or hf")
     layer_activations = 17 * h + 8 * I  # bytes per token of one layer (Korthikanti et al., gated MLP)
     activations = T * (2 * h * L + layer_activations) if gradient_checkpointing else T * L * layer_activations
-    rollout = {ACTOR_STATE: resident * (param_bytes + moment_bytes) * P // W,
+    rollout = {ACTOR_STATE: resident * state_bytes * P // W,
                **{k: resident * v for k, v in reference.items()}, **engine_items, OVERHEAD: 2 * GiB}
-    training = {ACTOR_STATE + " + grads": on_gpu * (2 * param_bytes + moment_bytes) * P // W,
+    training = {ACTOR_STATE + " + grads": on_gpu * training_bytes * P // W,
                 **{k: on_gpu * v for k, v in reference.items()},
                 "gathered bf16 units: root + 2 layers": 2 * (root + 2 * layer),
                 ACTIVATIONS + (" (checkpointed)" if gradient_checkpointing else ""): activations,
@@ -219,7 +223,7 @@ def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> M
                         tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                         max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
                         **precision(cfg.actor.dtype, cfg.actor.optimizer), cpu_offload=cfg.actor.fsdp_cpu_offload,
-                        offload_while_generating=cfg.actor.offload_while_generating)
+                        offload_while_generating=cfg.actor.offload_while_generating, lora=cfg.lora.rank > 0)
 
 
 def precision(dtype: str, optimizer: str) -> dict[str, int]:
@@ -237,7 +241,8 @@ SETUPS = {  # the README's hardware table: name -> estimate_memory options
     "fp32 weights, AdamW": dict(param_bytes=4, moment_bytes=8),
     "fp32 weights, adamw_bf16": dict(param_bytes=4, moment_bytes=4),
     "bf16 weights, adamw_bf16": dict(param_bytes=2, moment_bytes=4),
-    "bf16 + adamw_bf16 + offload while generating": dict(param_bytes=2, moment_bytes=4, offload_while_generating=True)}
+    "bf16 + adamw_bf16 + offload while generating": dict(param_bytes=2, moment_bytes=4, offload_while_generating=True),
+    "LoRA (bf16 base, no reference model)": dict(lora=True)}
 
 
 def gpus_needed(model_config, gpu_bytes: int, **options) -> tuple[int, int] | None:

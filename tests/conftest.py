@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch.distributed as dist
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -24,3 +27,12 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = RO
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
     return output
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A process group of one (gloo) for the tests of a module that call the trainer's collectives in-process."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -17,7 +17,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.fsdp import fully_shard
 
@@ -143,14 +142,6 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
 
 
 # ---------------------------------------------------------------- the rules, in-process (a world of one)
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def tiny_model():

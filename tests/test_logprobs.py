@@ -6,17 +6,14 @@ agree to ~5e-7 and gradients to ~3e-6 (measured); the tests allow 1e-5 (values) 
 largest gradient entry.
 """
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import logprobs
 from attention import PACKED_SDPA
-from conftest import free_port
 from grpo import Config, backward_mini_batch, update_policy
 from logprobs import (balanced_bins, batched_logprobs, budget_bins, forward_inputs, make_batch, micro_batches,
                       response_logprobs, select)
@@ -32,14 +29,6 @@ def model(tmp_path_factory):
     """The tiny model with the trainer's attention (attention.py's packed_sdpa on CPU)."""
     return AutoModelForCausalLM.from_pretrained(build_tiny_model("qwen2", tmp_path_factory.mktemp("m") / "m"),
                                                 attn_implementation=PACKED_SDPA)
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def full_logits_logprobs(model, prompts, responses, temperature):

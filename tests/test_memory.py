@@ -88,7 +88,7 @@ def test_gradient_checkpointing_lowers_the_training_activations():
 def test_precision_offload_and_token_budget_by_hand():
     """bf16 weights with bf16 moments: 2 + 4 bytes per parameter resident, 2 + 2 + 4 while training; offloading
     while generating leaves nothing of the actor or reference on the GPU then; FSDP2's CPU offload nothing at all;
-    a token budget sets the micro-batch's tokens."""
+    LoRA the bf16 base alone; a token budget sets the micro-batch's tokens."""
     P, W, h, I, L = qwen2_parameters(TINY), 4, 64, 160, 3
     options = dict(world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
     bf16 = estimate_memory(TINY, param_bytes=2, moment_bytes=4, **options)
@@ -98,6 +98,9 @@ def test_precision_offload_and_token_budget_by_hand():
     assert generating.training[ACTOR_STATE + " + grads"] == 16 * P // W  # back on the GPU to train
     offloaded = estimate_memory(TINY, cpu_offload=True, **options)
     assert offloaded.training[ACTOR_STATE + " + grads"] == offloaded.training[REFERENCE] == 0
+    lora = estimate_memory(TINY, lora=True, **options)  # the bf16 base only, and no reference model
+    assert lora.rollout[ACTOR_STATE] == lora.training[ACTOR_STATE + " + grads"] == 2 * P // W
+    assert REFERENCE not in lora.rollout and REFERENCE not in lora.training
     budget = estimate_memory(TINY, max_tokens_per_micro_batch=512, **options)
     assert budget.training[ACTIVATIONS] == 512 * L * (17 * h + 8 * I) and budget.training[LOGITS] == 512 * 1000 * 10
 
@@ -110,7 +113,7 @@ def test_the_hardware_table_uses_fewer_gpus_with_bf16_states():
                   (dict(param_bytes=4, moment_bytes=8), dict(param_bytes=2, moment_bytes=4)))
     assert bf16[0] < fp32[0]
     table = hardware_table(80)
-    assert len(table.splitlines()) == 2 + 4 and " 7B " in table.splitlines()[0]  # header, rule, one row per setup
+    assert len(table.splitlines()) == 2 + len(memory.SETUPS) and " 7B " in table.splitlines()[0]  # one row per setup
 
 
 # ---------------------------------------------------------------- refusals

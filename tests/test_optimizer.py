@@ -2,26 +2,15 @@
 tensors and on FSDP2's sharded ones; bf16 master weights; the memory moves of offloading."""
 
 import copy as copy_module
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from conftest import free_port
 from fsdp_utils import load_sharded_model, move_training_state
 from optimizer import AdamWBF16States, build_optimizer
 from tiny import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_first_step_by_hand():

@@ -1,0 +1,100 @@
+"""LoRA through peft: the adapters, the reference model as the adapters switched off, and the adapted weights as
+one Hugging Face model for the engine and for saving.
+
+    --lora.rank 16 --lora.alpha 32                       # every linear layer of the language model
+    --lora.rank 64 --lora.exclude-modules '.*visual.*'   # a vision-language model, its vision tower left alone
+
+Design decisions:
+- peft wraps the model on the meta device, before FSDP2 shards it (fsdp_utils.load_sharded_model): rank 0
+  builds the same wrapped model with real weights (peft's initialisation: A random, B zero, so the adapted
+  model starts as the base) and broadcasts it, names and all. Only the adapters require gradients, so only
+  they are in the optimizer; the base weights never change (bitwise: tested).
+- The reference model is the actor with its adapters switched off (`adapters_off`, peft's
+  `disable_adapter`): no second model in memory.
+- The engine gets the adapted weights merged, W + (alpha / rank) B A, computed while streaming
+  (`merged_weights`) from the gathered shards, one layer at a time. Nothing is merged into the model itself, so
+  there is no merge/unmerge cycle whose rounding could drift the base weights over many steps, and vLLM needs
+  no LoRA support (its LoRA path would also need the adapter saved and reloaded at every step). The engine's
+  log-probs then follow the adapted model as closely as they follow a full-parameter one (tested).
+- The same merged weights, under the base model's own names, are what `fsdp_utils.save_hf_model` writes:
+  the trained folder is a plain Hugging Face model (merge.py does the same from a checkpoint).
+"""
+
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+ADAPTER = "default"  # peft's name for the one adapter
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 0
+    """LoRA rank; 0: no LoRA, every weight trains."""
+    alpha: float = 32.0
+    """LoRA scaling numerator: the update is (alpha / rank) B A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names (or suffixes) that get adapters; all-linear: every linear layer but the output head."""
+    exclude_modules: str = ""
+    """Regex of module names left without adapters (e.g. '.*visual.*': a vision-language model's vision tower)."""
+
+
+def add_adapters(model, cfg: LoRAConfig):
+    """The model wrapped by peft with LoRA adapters (works on the meta device); only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    if "lm_head" in cfg.target_modules and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("--lora.target-modules lm_head: this model's output head is its input embedding (tied "
+                         "weights), which an adapter on the head would untie; leave lm_head out")
+    targets = "all-linear" if cfg.target_modules == ("all-linear",) else list(cfg.target_modules)
+    peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                             exclude_modules=cfg.exclude_modules or None)
+    return get_peft_model(model, peft_config)
+
+
+def has_adapters(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+def base_of(model):
+    """The Hugging Face model itself: peft's wrapper removed (its adapters stay in its layers)."""
+    return model.get_base_model() if has_adapters(model) else model
+
+
+def adapters_off(model):
+    """Context: the model's forward is the base model's (peft's disable_adapter); a no-op for a model without."""
+    return model.disable_adapter() if has_adapters(model) else nullcontext()
+
+
+def base_name(name: str) -> str:
+    """peft's parameter name -> the base model's: 'base_model.model.model.layers.0.mlp.up_proj.base_layer.weight'
+    -> 'model.layers.0.mlp.up_proj.weight'."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    shard = tensor.to(dtype)
+    return shard.full_tensor() if isinstance(shard, DTensor) else shard
+
+
+@torch.no_grad()
+def merged_weights(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base model name, full tensor in `dtype`) of the adapted model, W + (alpha / rank) B A for every layer with
+    an adapter, one parameter at a time. Every rank must consume the whole stream in the same order (each gather
+    is a collective). The model itself is not changed."""
+    layers = {name: module for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    for name, param in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        if name.endswith(".base_layer.weight") and name.removesuffix(".base_layer.weight") in layers:
+            layer = layers[name.removesuffix(".base_layer.weight")]
+            a = _full(layer.lora_A[ADAPTER].weight, torch.float32)  # [rank, in]
+            b = _full(layer.lora_B[ADAPTER].weight, torch.float32)  # [out, rank]
+            yield base_name(name), (_full(param, torch.float32) + layer.scaling[ADAPTER] * (b @ a)).to(dtype)
+        else:
+            yield base_name(name), _full(param, dtype)

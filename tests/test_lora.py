@@ -1,0 +1,174 @@
+"""LoRA (lora.py) and the merger (merge.py): in-process on a world of one, then the real entry point under torchrun.
+
+A fresh adapter is the identity (B = 0), so every in-process test first moves the adapters off zero: a test of
+adapters that change nothing could not fail.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+from checkpoints import save_checkpoint
+from conftest import ROOT, free_port, torchrun
+from fsdp_utils import load_sharded_model, stream_full_weights
+from logprobs import batched_logprobs, make_batch
+from lora import LoRAConfig, adapters_off, base_name
+from merge import merge
+from tiny import build_tiny_model
+
+PROMPTS, RESPONSES = [[1, 20, 21, 22], [1, 30], [1, 40, 41, 42, 43]], [[50, 51, 2], [60, 2], [70, 71, 72, 2]]
+LORA = LoRAConfig(rank=4, alpha=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(build_tiny_model("qwen2", tmp_path_factory.mktemp("base") / "tiny-qwen2"))
+
+
+def full(tensor):
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def nudge(model, which: str, seed: int = 0):
+    """Add small random numbers to the parameters whose names contain `which` (all with "")."""
+    g = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if which in name:
+            local = param.to_local() if isinstance(param, DTensor) else param
+            local.add_(0.05 * torch.randn(local.shape, generator=g))
+
+
+def test_only_adapters_train_and_switched_off_they_give_the_base_model(tiny, world_of_one):
+    model = load_sharded_model(tiny, torch.device("cpu"), trainable=True, lora=LORA)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    nudge(model, "lora_B")
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    base_model = load_sharded_model(tiny, torch.device("cpu"), trainable=False)  # the reference a full run would build
+    base = batched_logprobs(base_model, batch, 1.0, micro_batch_size=3)
+    adapted = batched_logprobs(model, batch, 1.0, micro_batch_size=3)
+    with adapters_off(model):
+        switched_off = batched_logprobs(model, batch, 1.0, micro_batch_size=3)
+    assert torch.equal(switched_off, base)  # exactly: the reference model is the base
+    assert (adapted - base).abs().max() > 1e-2
+
+
+def test_merged_stream_is_the_adapted_model_and_never_touches_the_base(tiny, world_of_one):
+    """The engine's weights (merged while streaming) in a plain HF model give the adapted model's log-probs; 50
+    streams later the sharded base weights are bitwise what they were (nothing is merged into the model)."""
+    model = load_sharded_model(tiny, torch.device("cpu"), trainable=True, lora=LORA)
+    nudge(model, "lora_")
+    base_before = {n: full(p).clone() for n, p in model.named_parameters() if "lora_" not in n}
+    merged = dict(stream_full_weights(model, torch.float32))
+    assert set(merged) == {base_name(n) for n in base_before} and all(".base_layer" not in n for n in merged)
+    plain = AutoModelForCausalLM.from_pretrained(tiny)
+    plain.load_state_dict(merged, strict=False)  # the tied head is the embedding
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    torch.testing.assert_close(batched_logprobs(plain, batch, 1.0, 3), batched_logprobs(model, batch, 1.0, 3),
+                               atol=1e-5, rtol=0)
+    for _ in range(50):
+        for _ in stream_full_weights(model, torch.float32):
+            pass
+    assert all(torch.equal(full(p), base_before[n]) for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def write_run(run_dir, model_path, lora: LoRAConfig, model, tmp_path):
+    """A run folder as grpo.py leaves it: config.json and a checkpoint of `model` (step 1)."""
+    run_dir.mkdir(parents=True)
+    config = {"actor": {"model_path": model_path, "dtype": "float32"}, "trainer": {"output_dir": str(tmp_path)},
+              "lora": {**vars(lora), "target_modules": list(lora.target_modules)}}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    save_checkpoint(run_dir, 1, model, optimizer, {"scheduler": {}, "loader": {}, "kl_coef": 0.0, "score": None},
+                    model_only=False, save_limit=0, best_metric="val/reward_overall")
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_the_merger_writes_the_trained_model_from_a_checkpoint(tiny, world_of_one, tmp_path, rank):
+    """A full-parameter run and a LoRA run: the merged folder loads with from_pretrained and gives the trained
+    model's log-probs."""
+    lora = LoRAConfig(rank=rank, alpha=8)
+    model = load_sharded_model(tiny, torch.device("cpu"), trainable=True, lora=lora)
+    nudge(model, "lora_" if rank else "")
+    write_run(tmp_path / "run", tiny, lora, model, tmp_path)
+    merge(tmp_path / "run", tmp_path / "out", torch.device("cpu"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    torch.testing.assert_close(batched_logprobs(merged, batch, 1.0, 3), batched_logprobs(model, batch, 1.0, 3),
+                               atol=1e-5, rtol=0)
+    assert (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "generation_config.json").exists()
+
+
+def test_the_merger_writes_a_vision_language_model_with_its_processor(world_of_one, tmp_path):
+    path = str(build_tiny_model("qwen2_5_vl", tmp_path / "tiny-vlm"))
+    lora = LoRAConfig(rank=4, alpha=8, exclude_modules=".*visual.*")
+    model = load_sharded_model(path, torch.device("cpu"), trainable=True, lora=lora)
+    assert not any("visual" in n for n, p in model.named_parameters() if p.requires_grad)
+    nudge(model, "lora_")
+    write_run(tmp_path / "run", path, lora, model, tmp_path)
+    merge(tmp_path / "run" / "checkpoints" / "step_000001", tmp_path / "out", torch.device("cpu"))  # a checkpoint path
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
+    assert AutoProcessor.from_pretrained(tmp_path / "out").image_processor.merge_size == 2
+    expected = dict(stream_full_weights(model, torch.float32))
+    assert all(torch.equal(merged.state_dict()[name], tensor) for name, tensor in expected.items())
+
+
+def test_an_adapter_on_a_tied_output_head_is_refused(tiny, world_of_one):
+    with pytest.raises(ValueError, match="--lora.target-modules lm_head"):
+        load_sharded_model(tiny, torch.device("cpu"), trainable=True,
+                           lora=LoRAConfig(rank=4, target_modules=("q_proj", "lm_head")))
+
+
+def test_merger_errors_name_the_folder(world_of_one, tmp_path):
+    with pytest.raises(SystemExit, match="neither a run folder"):
+        merge(tmp_path, tmp_path / "out", torch.device("cpu"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no complete checkpoint"):
+        merge(tmp_path, tmp_path / "out", torch.device("cpu"))
+
+
+def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_loads_in_vllm(tmp_path):
+    """2 steps, 2 ranks: no reference model is built (the base is the reference), the engine follows the adapted
+    model after every sync (gap at the full-model level), the base weights are bitwise unchanged and the adapters
+    moved; `python -m merge` on the run folder gives a folder vLLM loads and whose log-probs are the trained model's."""
+    output = torchrun(["grpo.py", "--lora.rank", "8", "--lora.alpha", "16", "--trainer.total-steps", "2",
+                       "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+                       "--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
+                       "--actor.micro-batch-size", "8", "--trainer.save-freq", "2"])
+    assert "LoRA rank 8:" in output and "the reference is the base (adapters off)" in output
+    run = tmp_path / "toy-grpo"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics)
+    assert metrics[1]["actor/kl_ref"] > 0  # the adapted policy moved away from the base
+    dcp_to_torch_save(run / "checkpoints" / "step_000002" / "model_optimizer", tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]
+    initial = load_file(tmp_path / "models" / "tiny-qwen2" / "model.safetensors")
+    base = {base_name(n): t for n, t in saved.items() if "lora_" not in n}
+    assert all(torch.equal(base[n], initial[n]) for n in initial)
+    assert any(t.abs().max() > 0 for n, t in saved.items() if "lora_B" in n)
+
+    subprocess.run([sys.executable, "-m", "merge", str(run), str(tmp_path / "merged")], cwd=ROOT, check=True,
+                   capture_output=True, env={**os.environ, "MASTER_PORT": str(free_port())})
+    merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert all(torch.equal(merged[k], final[k]) for k in final)
+    check = ("import json, sys; from vllm import LLM, SamplingParams; import rollout; rollout.vllm_environment(); "
+             "llm = LLM(model=sys.argv[1], dtype='float32', enforce_eager=True, kv_cache_memory_bytes=2**28, seed=0); "
+             "out = llm.generate([{'prompt_token_ids': [1, 20, 21]}], SamplingParams(max_tokens=4, temperature=1.0, "
+             "logprobs=0, seed=0))[0].outputs[0]; "
+             "print(json.dumps([out.token_ids, [next(iter(d.values())).logprob for d in out.logprobs]]))")
+    proc = subprocess.run([sys.executable, "-c", check, str(tmp_path / "merged")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens, engine = json.loads(proc.stdout.strip().splitlines()[-1])
+    trained = AutoModelForCausalLM.from_pretrained(run / "final")
+    expected = batched_logprobs(trained, make_batch([[1, 20, 21]], [tokens], pad_id=0), 1.0, 1)[0]
+    torch.testing.assert_close(torch.tensor(engine), expected, atol=1e-3, rtol=0)
