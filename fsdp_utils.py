@@ -120,7 +120,9 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
     if is_vision_language(config):  # the vision tower's own unit (its embedding, merger), then every forward runs it
         fully_shard(hf_model.model.visual, mp_policy=mixed_precision, offload_policy=offload)
         keep_vision_tower_in_step(hf_model)
-    fully_shard(model, mp_policy=mixed_precision, offload_policy=offload)
+    # the root unit is the Hugging Face model, inside peft's wrapper when there is one: its forward and `generate`
+    # (the hf engine's, which peft passes through) both start at the root, where FSDP2 initialises itself
+    fully_shard(hf_model, mp_policy=mixed_precision, offload_policy=offload)
     model.to_empty(device="cpu" if cpu_offload else device)
     for module in model.modules() if cpu_offload else []:  # FSDP2 offloads the parameters; buffers stay on the device
         for name, buffer in module.named_buffers(recurse=False):

@@ -883,7 +883,11 @@ def override(config, changes: dict, where: str):
         if not hasattr(config, key):
             raise SystemExit(f"{where}: unknown key {key!r}; valid keys: {[f.name for f in dataclasses.fields(config)]}")
         current = getattr(config, key)
-        updates[key] = override(current, value, f"{where}:{key}") if dataclasses.is_dataclass(current) else value
+        if dataclasses.is_dataclass(current):
+            value = override(current, value, f"{where}:{key}")
+        elif isinstance(current, tuple) and isinstance(value, list):  # YAML has lists; the config's fields are tuples
+            value = tuple(value)
+        updates[key] = value
     return dataclasses.replace(config, **updates)
 
 

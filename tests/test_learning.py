@@ -1,7 +1,7 @@
 """Learning on the built-in task, from random weights (the slowest tests: minutes on 2 CPU cores).
 
-GRPO: the exact default job a newcomer runs climbs from chance to >= 0.8, with either rollout engine; so does
-the built-in visual task (`toy_vision`: a tiny VLM, images through vLLM and FSDP2).
+GRPO: the exact default job a newcomer runs climbs from chance to >= 0.8, and so does its LoRA version (toy_lora)
+and the built-in visual task (`toy_vision`: a tiny VLM, images through vLLM and FSDP2).
 RLOO and DAPO (their presets, 40 and 60 steps): the accuracy on the task rises clearly. DAPO has no KL to keep
 it exploring, so it learns the digit but not always to stop in that time; RLOO's KL-in-reward is too
 weak for that too.
@@ -14,11 +14,15 @@ import pytest
 from conftest import torchrun
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_default_job_learns_the_builtin_task(tmp_path, engine):
-    """The default job, with the vLLM engine and with the HF engine (transformers generate on the FSDP2 model)."""
-    output = torchrun(["grpo.py", "--trainer.output-dir", str(tmp_path), "--rollout.engine", engine], timeout=1200)
-    lines = [json.loads(line) for line in (tmp_path / "toy-grpo" / "metrics.jsonl").read_text().splitlines()]
+@pytest.mark.parametrize("preset, steps", [("toy", 120), ("toy_lora", 100)])
+def test_default_job_learns_the_builtin_task(tmp_path, preset, steps):
+    """The default job, full-parameter and with LoRA (rank 16, the tiny Llama; measured: 0.954 over steps 96-100,
+    validation 0.98 at step 100). The hf engine's learning is in the README (measured, not asserted: the suite's
+    time); its samples and log-probs are tested in test_rollout.py."""
+    output = torchrun(["grpo.py", preset, "--trainer.output-dir", str(tmp_path), "--trainer.total-steps", str(steps)],
+                      timeout=1200)
+    run = "toy-grpo-lora" if preset == "toy_lora" else "toy-grpo"
+    lines = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == 0 and "val/reward_overall" in lines[0]  # validation before training
     metrics = lines[1:]
     rewards = [m["train/reward_overall"] for m in metrics]
@@ -27,6 +31,7 @@ def test_default_job_learns_the_builtin_task(tmp_path, engine):
     assert last >= 0.8, f"reward did not climb: first {rewards[0]:.3f}, mean of the last 5 steps {last:.3f}"
     assert metrics[-1]["val/reward_overall"] >= 0.8
     assert "done:" in output and "train reward" in output
+    assert max(m["rollout/logprob_diff_max"] for m in metrics) < 1e-3  # the engine followed the (adapted) model
 
 
 def test_a_tiny_vlm_learns_the_builtin_visual_task(tmp_path):

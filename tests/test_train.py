@@ -129,8 +129,8 @@ def test_multi_node_on_loopback_without_a_shared_folder(tmp_path):
     """Two torchrun agents (--nnodes 2, one process each) rendezvous on 127.0.0.1 and train together, each in
     its own working directory: whatever start-up writes (the tiny model) must be built on every node."""
     port = free_port()
-    args = [str(ROOT / "grpo.py"), "--trainer.total-steps", "2", "--trainer.output-dir", "runs",
-            "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST]
+    args = [str(ROOT / "grpo.py"), "--trainer.total-steps", "2", "--trainer.output-dir", "runs",  # hf: no vLLM warm-up
+            "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--rollout.engine", "hf", *FAST]
     common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
               "--master_addr", "127.0.0.1", "--master_port", str(port)]
     folders = [tmp_path / f"node{rank}" for rank in (0, 1)]
@@ -208,7 +208,8 @@ def test_every_algorithm_preset_runs(tmp_path, preset):
 
 
 def test_dynamic_sampling_stops_with_a_clear_error_after_the_round_limit(tmp_path):
-    """A random model almost never solves a prompt: 2 rounds of 4 samples cannot fill the batch."""
+    """A random model almost never solves a prompt: 2 rounds of 4 samples cannot fill the batch (hf engine: the
+    round limit is the engine-independent loop's)."""
     with pytest.raises(AssertionError, match="after 2 rounds some rank kept fewer than 4 groups"):
         torchrun(["grpo.py", "dapo", "--algorithm.max-sampling-rounds", "2", "--trainer.total-steps", "1",
-                  "--trainer.output-dir", str(tmp_path), "--trainer.no-val-before-train", *FAST])
+                  "--trainer.output-dir", str(tmp_path), "--trainer.no-val-before-train", "--rollout.engine", "hf", *FAST])
