@@ -180,7 +180,8 @@ def _advice(phase: str, items: dict[str, int], e: MemoryEstimate) -> list[str]:
         advice.append("`--actor.gradient-checkpointing`")
     if items.get(ACTOR_STATE):
         advice.append("`--actor.offload-while-generating` (the actor, reference and AdamW states wait in host memory)")
-    advice += ["`--actor.optimizer adamw_bf16` (bf16 AdamW moments: 4 bytes per parameter less)",
+    advice += ["`--lora.rank 64` (LoRA: the frozen base in bf16, no gradients or moments for it, no reference model)",
+               "`--actor.optimizer adamw_bf16` (bf16 AdamW moments: 4 bytes per parameter less)",
                "`--actor.fsdp-cpu-offload` (parameters, gradients and AdamW states in host memory for the whole run; slow)"]
     if REFERENCE in items:
         advice.append("`--algorithm.no-use-kl-loss` (and no KL in the reward) drops the reference model")
@@ -204,8 +205,7 @@ def check_memory(model_config, **options) -> MemoryEstimate:
             biggest = sorted(items.items(), key=lambda item: -item[1])[:3]
             problems.append(f"the {phase} phase does not fit: ~{gib(total)} GiB per GPU, the GPU has {gib(e.gpu_bytes)} GiB "
                             f"(biggest: {'; '.join(f'{name} {gib(size)} GiB' for name, size in biggest)}). To fit, any of:\n"
-                            + "".join(f"    {advice}\n" for advice in _advice(phase, items, e))
-                            + "    (LoRA is planned)")
+                            + "".join(f"    {advice}\n" for advice in _advice(phase, items, e)))
     if problems:
         raise SystemExit("this run does not fit in GPU memory (an estimate, made before loading anything):\n- "
                          + "\n- ".join(problems) + "\n\n" + e.table())
