@@ -152,8 +152,7 @@ def forward_inputs(model, batch: dict, padding_free: bool) -> tuple[dict, torch.
     Example, packed prompts [5, 6] and [7] with responses [8, 9] and [10]: input_ids [[5, 6, 8, 9, 7, 10]],
     position_ids [[0, 1, 2, 3, 0, 1]], index [1, 2, 4].
     """
-    prompts, responses = batch["prompt_lengths"], batch["response_lengths"]
-    lengths = [p + r for p, r in zip(prompts, responses)]
+    prompts, responses, lengths = batch["prompt_lengths"], batch["response_lengths"], sequence_lengths(batch)
     T, device = max(lengths), batch["input_ids"].device
     padded = batch["input_ids"][:, :T]  # [b, T]
     if padding_free:  # every index is built on the host, then moved: boolean masks would make the GPU wait
