@@ -20,6 +20,13 @@ Design decisions:
   swapped in around the call (`sampling_rng`): the ranks of a tensor-parallel engine then draw identical
   samples whatever else touched the global RNG (a user's reward function, say), a rerun (or a resumed run)
   draws the same samples, and the trainer's own RNG is left as it was.
+- LoRA (lora.py): the engine gets the adapted weights merged, W + (alpha / rank) B A, in the same in-place
+  stream as a full-parameter run's weights (fsdp_utils.stream_full_weights), rather than the adapter through
+  vLLM's LoRA support. Correct by construction (the engine holds exactly the adapted model; the gap stays at
+  the full-parameter level, ~2e-7 on CPU) and free of a merge/unmerge cycle on the trainer's weights; vLLM's
+  LoRA path would need its adapter saved and reloaded each step and LoRA kernels in every forward. Not
+  measured against each other: the CPU build cannot show the GPU trade-off (shipping a small adapter against
+  streaming the whole model), which favours vLLM's path for large models.
 """
 
 import logging
