@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from attention import attention_implementation
-from lora import LoRAConfig, add_adapters, has_adapters, merged_weights
+from lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
 from vision import is_vision_language, keep_vision_tower_in_step
 
 
@@ -99,15 +99,18 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
     `dtype` is the stored (master) dtype: fp32 for the actor unless --actor.dtype says otherwise; the frozen
     reference needs no fp32 master copy, so on GPU it is stored in bf16, half the memory. `cpu_offload`: FSDP2
     keeps the parameters, gradients and optimizer states in CPU memory and copies each unit to the device
-    for its forward and backward. `lora` with a rank: peft's LoRA adapters (lora.py), the only trainable weights.
+    for its forward and backward. `lora` with a rank: peft's LoRA adapters (lora.py), the only trainable weights;
+    on GPU the frozen base is then stored in bf16 whatever `dtype` says.
     """
     config = AutoConfig.from_pretrained(path)
+    with_adapters = lora is not None and lora.rank > 0
+    if with_adapters and device.type == "cuda":  # the frozen base needs no fp32 master copy (peft keeps adapters fp32)
+        dtype = torch.bfloat16
     with torch.device("meta"):
         model = model_class(config).from_config(config, dtype=dtype, attn_implementation=attention_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model = model
-    with_adapters = lora is not None and lora.rank > 0
     if with_adapters:
         model = add_adapters(model, lora)
     mixed_precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -225,7 +228,7 @@ def save_hf_model(model: FSDPModule, tokenizer, path: str | Path) -> None:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        (model.get_base_model() if has_adapters(model) else model).save_pretrained(tmp, state_dict=state)
+        base_of(model).save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         (tmp / "COMPLETE").write_text(json.dumps({"format": "hf"}))
         shutil.rmtree(path, ignore_errors=True)

@@ -706,8 +706,8 @@ def main(cfg: Config) -> None:
         estimate = check_run_memory(cfg, model_path, world, torch.cuda.get_device_properties(device).total_memory)
         console.print(f"memory estimate per GPU (memory.py): rollout {estimate.rollout_total / 2**30:.1f} GiB, training "
                       f"{estimate.training_total / 2**30:.1f} GiB, of {estimate.gpu_bytes / 2**30:.1f} GiB")
-    lora = cfg.lora.rank > 0  # LoRA: the frozen base in bf16 on GPU (peft keeps the adapters in fp32)
-    actor_dtype = torch.bfloat16 if lora and device.type == "cuda" else getattr(torch, cfg.actor.dtype)
+    lora = cfg.lora.rank > 0
+    actor_dtype = getattr(torch, cfg.actor.dtype)  # with LoRA on GPU, load_sharded_model stores the base in bf16
     actor = load_sharded_model(model_path, device, trainable=True, dtype=actor_dtype, cpu_offload=cfg.actor.fsdp_cpu_offload,
                                gradient_checkpointing=cfg.actor.gradient_checkpointing, lora=cfg.lora)
     ref_dtype = torch.bfloat16 if device.type == "cuda" else actor_dtype  # frozen: no fp32 master copy needed

@@ -168,8 +168,8 @@ def forward_inputs(model, batch: dict, padding_free: bool) -> tuple[dict, torch.
     if padding_free and is_vision_language(model.config):  # each sequence's 3-D M-RoPE positions, then packed
         valid = torch.arange(T) < torch.tensor(lengths)[:, None]  # [b, T]
         rope, _ = base_of(model).model.get_rope_index(padded, (padded == model.config.image_token_id).int(),
-                                             image_grid_thw=images.get("image_grid_thw"),
-                                             attention_mask=valid.int().to(device))  # [3, b, T]
+                                                      image_grid_thw=images.get("image_grid_thw"),
+                                                      attention_mask=valid.int().to(device))  # [3, b, T]
         positions = torch.cat([positions[None], rope.flatten(1)[:, tokens][:, None]])  # [4, 1, S]
     elif images:  # padded, with images: the model computes its own 3-D positions
         positions = None

@@ -48,8 +48,8 @@ def merge(source: str | Path, out: str | Path, device: torch.device) -> Path:
     model_path = resolve_model(actor["model_path"], config["trainer"]["output_dir"])
     lora = LoRAConfig(**{**config.get("lora", {}), "target_modules": tuple(config.get("lora", {}).get("target_modules",
                                                                                                       ("all-linear",)))})
-    dtype = torch.bfloat16 if lora.rank and device.type == "cuda" else getattr(torch, actor.get("dtype", "float32"))
-    model = load_sharded_model(model_path, device, trainable=False, dtype=dtype, lora=lora)
+    model = load_sharded_model(model_path, device, trainable=False, dtype=getattr(torch, actor.get("dtype", "float32")),
+                               lora=lora)
     load_model(checkpoint, model)
     vision = is_vision_language(AutoConfig.from_pretrained(model_path))
     save_hf_model(model, (AutoProcessor if vision else AutoTokenizer).from_pretrained(model_path), out)
