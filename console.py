@@ -28,6 +28,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -86,10 +87,23 @@ def run(main: Callable, *args) -> None:
 
 
 def first_to_report(message: str) -> bool:
-    """True for the first rank to report `message` (ranks share torchrun's key-value store); before the
-    process group exists every rank is running the same checks, so rank 0 reports."""
-    if not dist.is_initialized():
+    """True for the first rank to report `message`. The ranks agree through torchrun's key-value store: the
+    process group's once it exists; before that (a bad flag, found by every rank at once), the store that
+    torchrun's agent hosts at MASTER_ADDR:MASTER_PORT. Deciding "rank 0 reports" instead loses the message
+    whenever another rank exits first: torchrun then kills rank 0 before it prints."""
+    store = shared_store()
+    if store is None:
         return os.environ.get("RANK", "0") == "0"
-    rank = str(dist.get_rank())
+    rank = os.environ.get("RANK", "0")
     key = "error:" + hashlib.sha1(message.encode()).hexdigest()  # not hash(): it is salted per process
-    return dist.distributed_c10d._get_default_store().compare_set(key, "", rank).decode() == rank
+    return store.compare_set(key, "", rank).decode() == rank
+
+
+def shared_store() -> dist.Store | None:
+    """The key-value store all ranks of this job share, or None outside torchrun."""
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=30))

@@ -50,3 +50,19 @@ def test_a_reward_function_that_raises_names_itself_without_a_traceback(tmp_path
     assert "error: reward" in proc.stderr and "the reward is broken" in proc.stderr, proc.stderr
     assert not our_tracebacks(proc.stdout + proc.stderr), proc.stderr
 
+
+
+def test_the_error_is_printed_when_another_rank_exits_first(tmp_path):
+    """Before the process group exists; rank 0 is slow to fail, and torchrun kills it once rank 1 has exited."""
+    script = tmp_path / "slow_rank_zero.py"
+    script.write_text(f"import os, sys, time\nsys.path.insert(0, {str(ROOT)!r})\nimport console\n\n"
+                      "def main():\n"
+                      "    if os.environ['RANK'] == '0':\n"
+                      "        time.sleep(5)\n"
+                      "    raise ValueError('the dataset is missing')\n\n"
+                      "console.run(main)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: the dataset is missing") == 1, proc.stderr
