@@ -165,8 +165,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     return MemoryEstimate(rollout, training, gpu_bytes, vllm_needs)
 
 
-def _advice(phase: str, items: dict[str, int], e: MemoryEstimate) -> list[str]:
-    """The flags that shrink this phase, read off what the phase holds."""
+def _advice(phase: str, items: dict[str, int], e: MemoryEstimate, options: dict) -> list[str]:
+    """The flags that shrink this phase, read off what the phase holds and leaving out those already set."""
     advice = ["more GPUs, over which the actor is sharded (`torchrun --nproc_per_node N`, `--nnodes` for more machines)"]
     if VLLM in items:
         advice.append(f"lower `--rollout.gpu-memory-utilization` (vLLM's budget; it needs at least "
@@ -180,9 +180,13 @@ def _advice(phase: str, items: dict[str, int], e: MemoryEstimate) -> list[str]:
         advice.append("`--actor.gradient-checkpointing`")
     if items.get(ACTOR_STATE):
         advice.append("`--actor.offload-while-generating` (the actor, reference and AdamW states wait in host memory)")
-    advice += ["`--lora.rank 64` (LoRA: the frozen base in bf16, no gradients or moments for it, no reference model)",
-               "`--actor.optimizer adamw_bf16` (bf16 AdamW moments: 4 bytes per parameter less)",
-               "`--actor.fsdp-cpu-offload` (parameters, gradients and AdamW states in host memory for the whole run; slow)"]
+    if not options.get("lora"):
+        advice.append("`--lora.rank 64` (LoRA: the frozen base in bf16, no gradients or moments for it, no reference model)")
+        if options.get("moment_bytes", 8) > 4:
+            advice.append("`--actor.optimizer adamw_bf16` (bf16 AdamW moments: 4 bytes per parameter less)")
+    if not options.get("cpu_offload"):
+        advice.append("`--actor.fsdp-cpu-offload` (parameters, gradients and AdamW states in host memory for the whole "
+                      "run; slow)")
     if REFERENCE in items:
         advice.append("`--algorithm.no-use-kl-loss` (and no KL in the reward) drops the reference model")
     return advice
@@ -205,7 +209,7 @@ def check_memory(model_config, **options) -> MemoryEstimate:
             biggest = sorted(items.items(), key=lambda item: -item[1])[:3]
             problems.append(f"the {phase} phase does not fit: ~{gib(total)} GiB per GPU, the GPU has {gib(e.gpu_bytes)} GiB "
                             f"(biggest: {'; '.join(f'{name} {gib(size)} GiB' for name, size in biggest)}). To fit, any of:\n"
-                            + "".join(f"    {advice}\n" for advice in _advice(phase, items, e)))
+                            + "".join(f"    {advice}\n" for advice in _advice(phase, items, e, options)))
     if problems:
         raise SystemExit("this run does not fit in GPU memory (an estimate, made before loading anything):\n- "
                          + "\n- ".join(problems) + "\n\n" + e.table())

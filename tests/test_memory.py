@@ -142,6 +142,20 @@ def test_a_training_refusal_names_only_flags_that_shrink_training():
     assert "gpu-memory-utilization" not in message.split("\n\n")[0]  # vLLM sleeps while the trainer trains
 
 
+def test_a_refusal_leaves_out_the_memory_flags_already_set():
+    def refusal(**options) -> str:
+        with pytest.raises(SystemExit) as refused:
+            check_memory(QWEN_7B, world_size=1, gpu_bytes=GPU_80GB, gradient_checkpointing=True, **{**RUN, **options})
+        return str(refused.value)
+
+    assert all(flag in refusal() for flag in ("--lora.rank", "adamw_bf16", "--actor.fsdp-cpu-offload"))
+    with_bf16_moments = refusal(param_bytes=4, moment_bytes=4)
+    assert "adamw_bf16" not in with_bf16_moments and "--lora.rank" in with_bf16_moments
+    with_lora = refusal(lora=True, micro_batch_size=256)
+    assert "--lora.rank" not in with_lora and "adamw_bf16" not in with_lora and "--actor.fsdp-cpu-offload" in with_lora
+    assert "--actor.fsdp-cpu-offload" not in refusal(cpu_offload=True, micro_batch_size=256)
+
+
 def test_a_vllm_budget_too_small_for_its_weights_is_refused_until_tensor_parallelism_splits_them():
     small_budget = dict(world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=True, gpu_memory_utilization=0.1, **RUN)
     with pytest.raises(SystemExit) as refusal:  # 8 GB budget, 15.2 GB of bf16 weights
