@@ -47,6 +47,28 @@ def nudge(model, which: str, seed: int = 0):
             local.add_(0.05 * torch.randn(local.shape, generator=g))
 
 
+ENGINE_CHECK = (  # sampled as rollout.py samples: a vision-language model's image placeholders banned by a bias
+    "import json, sys; from vllm import LLM, SamplingParams; import rollout, vision; rollout.vllm_environment(); "
+    "llm = LLM(model=sys.argv[1], dtype='float32', enforce_eager=True, kv_cache_memory_bytes=2**28, seed=0, "
+    "logprobs_mode='processed_logprobs'); "
+    "ban = {t: vision.PLACEHOLDER_BIAS for t in vision.placeholder_token_ids(llm.llm_engine.model_config.hf_config)}; "
+    "out = llm.generate([{'prompt_token_ids': [1, 20, 21]}], SamplingParams(max_tokens=4, temperature=1.0, "
+    "logprobs=0, seed=0, logit_bias=ban or None))[0].outputs[0]; "
+    "print(json.dumps([out.token_ids, [next(iter(d.values())).logprob for d in out.logprobs]]))")
+
+
+def assert_vllm_loads_it(folder, model_class=AutoModelForCausalLM):
+    """vLLM loads the Hugging Face folder (in a process of its own), and the log-probs of what it samples from
+    a text prompt are those the trainer computes for the folder loaded with transformers."""
+    proc = subprocess.run([sys.executable, "-c", ENGINE_CHECK, str(folder)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens, engine = json.loads(proc.stdout.strip().splitlines()[-1])
+    model = model_class.from_pretrained(folder)
+    expected = batched_logprobs(model, make_batch([[1, 20, 21]], [tokens], pad_id=0), 1.0, 1)[0]
+    torch.testing.assert_close(torch.tensor(engine), expected, atol=1e-3, rtol=0)
+
+
 def test_only_adapters_train_and_switched_off_they_give_the_base_model(tiny, world_of_one):
     model = load_sharded_model(tiny, torch.device("cpu"), trainable=True, lora=LORA)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -106,6 +128,8 @@ def test_the_merger_writes_the_trained_model_from_a_checkpoint(tiny, world_of_on
     torch.testing.assert_close(batched_logprobs(merged, batch, 1.0, 3), batched_logprobs(model, batch, 1.0, 3),
                                atol=1e-5, rtol=0)
     assert (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "generation_config.json").exists()
+    if not rank:  # the LoRA run's merged folder is loaded in vLLM by the torchrun test below
+        assert_vllm_loads_it(tmp_path / "out")
 
 
 def test_the_merger_writes_a_vision_language_model_with_its_processor(world_of_one, tmp_path):
@@ -120,6 +144,7 @@ def test_the_merger_writes_a_vision_language_model_with_its_processor(world_of_o
     assert AutoProcessor.from_pretrained(tmp_path / "out").image_processor.merge_size == 2
     expected = dict(stream_full_weights(model, torch.float32))
     assert all(torch.equal(merged.state_dict()[name], tensor) for name, tensor in expected.items())
+    assert_vllm_loads_it(tmp_path / "out", AutoModelForImageTextToText)
 
 
 def test_an_adapter_on_a_tied_output_head_is_refused(tiny, world_of_one):
@@ -160,15 +185,4 @@ def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_lo
                    capture_output=True, env={**os.environ, "MASTER_PORT": str(free_port())})
     merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(merged[k], final[k]) for k in final)
-    check = ("import json, sys; from vllm import LLM, SamplingParams; import rollout; rollout.vllm_environment(); "
-             "llm = LLM(model=sys.argv[1], dtype='float32', enforce_eager=True, kv_cache_memory_bytes=2**28, seed=0); "
-             "out = llm.generate([{'prompt_token_ids': [1, 20, 21]}], SamplingParams(max_tokens=4, temperature=1.0, "
-             "logprobs=0, seed=0))[0].outputs[0]; "
-             "print(json.dumps([out.token_ids, [next(iter(d.values())).logprob for d in out.logprobs]]))")
-    proc = subprocess.run([sys.executable, "-c", check, str(tmp_path / "merged")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tokens, engine = json.loads(proc.stdout.strip().splitlines()[-1])
-    trained = AutoModelForCausalLM.from_pretrained(run / "final")
-    expected = batched_logprobs(trained, make_batch([[1, 20, 21]], [tokens], pad_id=0), 1.0, 1)[0]
-    torch.testing.assert_close(torch.tensor(engine), expected, atol=1e-3, rtol=0)
+    assert_vllm_loads_it(tmp_path / "merged")
