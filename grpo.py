@@ -41,6 +41,7 @@ import tyro
 import yaml
 from torch.distributed.tensor import DTensor
 
+from balance import balance_over_ranks
 from checkpoints import agree_on_resume_point, load_checkpoint, prepare_run_folder, save_checkpoint
 from console import parse_quietly, quiet_libraries, run
 from data import DataConfig, PromptDataset, PromptItem, PromptLoader, load_rows, shard
@@ -82,6 +83,8 @@ class ActorConfig:
     """Form micro-batches by this token budget instead of --actor.micro-batch-size, the same number on every rank (0: off)."""
     padding_free: bool = True
     """Pack each micro-batch's sequences into one row, no padding (flash-attn varlen on GPU; logprobs.py)."""
+    balance_ranks: bool = True
+    """Before the update, move sequences between ranks so each holds about as many tokens (balance.py)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -749,6 +752,7 @@ def main(cfg: Config) -> None:
     # one optimizer step per rollout batch: the old log-probs are the update's own, no pass of their own (TRL's way)
     on_policy = (cfg.trainer.ppo_epochs == 1 and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
                  and not algo.use_kl_in_reward)
+    mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n // world  # sequences per rank per optimizer step
     trackers = Trackers(list(cfg.trainer.logger) if rank == 0 else [], run_dir, dataclasses.asdict(cfg),
                         cfg.trainer.project_name, cfg.trainer.experiment_name, resume_step=first_step - 1)
 
@@ -801,6 +805,10 @@ def main(cfg: Config) -> None:
                 AdvantageInputs(rewards, mask, cfg.rollout.n, baselines, sum_over_ranks), algo)  # [B, R]
 
             # ---- update ------------------------------------------------------------------------------
+            if cfg.actor.balance_ranks and world > 1:
+                with timer("balance"):
+                    batch, (old_logprobs, ref_logprobs, advantages) = balance_over_ranks(
+                        batch, [old_logprobs, ref_logprobs, advantages], mini_batch, tokenizer.pad_token_id)
             with timer("update"):
                 update_metrics, old_logprobs = update_policy(actor, optimizer, batch, old_logprobs, ref_logprobs,
                                                              advantages, cfg)

@@ -15,6 +15,8 @@ Each part runs in its own process (two vLLM engines do not share one process wel
 - update: grpo.update_policy (packed micro-batches by a token budget, chunked head) on sequences with a
   realistic spread of response lengths, against a bare FSDP2 forward/backward/AdamW loop on the same packed
   micro-batches, and against itself on padded micro-batches; tokens/s;
+- balance: the update on 2 ranks holding different numbers of tokens, as they are and balanced over the
+  ranks (balance.py), seconds per update;
 - logits: peak memory of the log-probs' forward and backward with a 152k vocabulary, the full-logits
   computation of before against the chunked head (each in a fresh process).
 """
@@ -173,6 +175,39 @@ def part_update(args) -> dict:
             "bare_tokens_per_s": tokens / plain, "padded_tokens_per_s": tokens / padded}
 
 
+def part_balance(args) -> dict:
+    """grpo.update_policy on 2 ranks that each drew their own spread batch, so one holds more tokens than the
+    other: the batches as they are, then dealt out by balance.balance_over_ranks (the exchange included in the
+    time); seconds per update, after a barrier (the slower rank sets the pace)."""
+    import torch
+    import torch.distributed as dist
+
+    from balance import balance_over_ranks
+    from fsdp_utils import init_distributed, load_sharded_model
+    from grpo import Config, update_policy
+    from logprobs import sequence_lengths
+
+    rank, world, device = init_distributed()
+    model = load_sharded_model(args.model, device, trainable=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in spread_batch(args, 100, seed=rank).items()}
+    advantages = torch.randn(batch["response_mask"].shape, device=device) * batch["response_mask"]
+    cfg = Config()
+    cfg.algorithm.use_kl_loss, cfg.rollout.n, cfg.trainer.global_batch_size = False, args.rows, world  # one mini-batch
+    cfg.actor.max_tokens_per_micro_batch = args.tokens_per_micro_batch
+
+    def update(balance: bool):
+        b, (a,) = balance_over_ranks(batch, [advantages], args.rows, 0) if balance else (batch, (advantages,))
+        update_policy(model, optimizer, b, None, None, a, cfg)
+        dist.barrier()
+
+    as_is, dealt = timed(lambda: update(False), args.repeats), timed(lambda: update(True), args.repeats)
+    tokens = [None] * world
+    dist.all_gather_object(tokens, [sum(sequence_lengths(batch)),
+                                    sum(sequence_lengths(balance_over_ranks(batch, [advantages], args.rows, 0)[0]))])
+    return {"tokens_per_rank": tokens, "as_is_s": as_is, "balanced_s": dealt}
+
+
 def part_logits(args) -> dict:
     """Peak memory of one forward and backward of the response log-probs, a 152k vocabulary: the full-logits
     computation the trainer used before logprobs.py (`--part logits` with --full) or the chunked head."""
@@ -199,9 +234,9 @@ def part_logits(args) -> dict:
     return {"peak_gib": (peak - before) / 2**30}
 
 
-def run_part(part: str, args, torchrun: bool) -> dict:
+def run_part(part: str, args, torchrun: bool, nproc: int = 1) -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533"] \
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "29533"] \
         if torchrun else [sys.executable]
     cmd = launcher + [__file__, "--part", part, "--out", str(out), "--model", args.model, "--prompts", str(args.prompts),
                       "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
@@ -260,6 +295,14 @@ def trainer_tables(args) -> None:
     print(f"| ratio (target >= 0.9) | {update['trainer_tokens_per_s'] / update['bare_tokens_per_s']:.2f}x |")
     print(f"| grpo.update_policy, padded, as many micro-batches | {update['padded_tokens_per_s']:,.0f} |")
     print(f"| padding-free over padded | {update['trainer_tokens_per_s'] / update['padded_tokens_per_s']:.2f}x |")
+    balance = run_part("balance", argparse.Namespace(**{**vars(args), "model": model, "rows": args.rows // 2}),
+                       torchrun=True, nproc=2)
+    (before_0, after_0), (before_1, after_1) = balance["tokens_per_rank"]
+    print(f"\nThe update on 2 ranks, {args.rows // 2} sequences each (one process a core), each rank's own draw of "
+          f"responses:\n\n| sequences | tokens per rank | seconds per update |\n|---|---|---|\n"
+          f"| as generated | {before_0:,} / {before_1:,} | {balance['as_is_s']:.2f} |\n"
+          f"| balanced over ranks (`--actor.balance-ranks`, exchange included) | {after_0:,} / {after_1:,} | "
+          f"{balance['balanced_s']:.2f} |")
     wide = str(build_tiny_model("qwen2", folder / "wide", vocab_size=152064, max_position_embeddings=4096))
     memory = argparse.Namespace(**{**vars(args), "model": wide, "rows": 4, "min_response": 1024, "max_response": 1024})
     full = run_part("logits", argparse.Namespace(**{**vars(memory), "full": True}), torchrun=False)["peak_gib"]
@@ -283,12 +326,13 @@ def main():
     parser.add_argument("--max-response", type=int, default=2000, help="trainer: longest response")
     parser.add_argument("--tokens-per-micro-batch", type=int, default=8192, help="trainer: the token budget")
     parser.add_argument("--full", action="store_true", help="logits part: the full-logits computation")
-    parser.add_argument("--part", choices=["rollout", "bare", "hf", "update", "logits"])
+    parser.add_argument("--part", choices=["rollout", "bare", "hf", "update", "balance", "logits"])
     parser.add_argument("--out")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     if args.part:
-        parts = {"rollout": part_rollout, "bare": part_bare, "hf": part_hf, "update": part_update, "logits": part_logits}
+        parts = {"rollout": part_rollout, "bare": part_bare, "hf": part_hf, "update": part_update,
+                 "balance": part_balance, "logits": part_logits}
         Path(args.out).write_text(json.dumps(parts[args.part](args)))
         return
     if args.only != "trainer":

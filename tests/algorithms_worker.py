@@ -1,7 +1,8 @@
 """Run under torchrun by test_algorithms.py: the distributed loss equals the single-process loss.
 
 Each of 2 ranks holds half a mini-batch and runs it as 2 micro-batches through grpo.backward_mini_batch
-(the training code path, FSDP2), then again as micro-batches formed by a token budget; rank 0 also computes
+(the training code path, FSDP2), then again as micro-batches formed by a token budget, then after the ranks
+exchanged sequences to hold about the same number of tokens (balance.py); rank 0 also computes
 the whole mini-batch at once with a plain HF model. The gradients must match: the per-micro-batch
 normalisation by global counts is exact. REINFORCE++'s global whitening is checked the same way.
 """
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from balance import balance_over_ranks
 from fsdp_utils import init_distributed, load_sharded_model, sum_over_ranks
 from grpo import POLICY_LOSSES, AdvantageInputs, Config, aggregate, backward_mini_batch, reinforce_pp_advantages
 from logprobs import batched_logprobs, budget_bins, make_batch, response_logprobs, select, sequence_lengths
@@ -41,7 +43,8 @@ def main(loss_agg_mode: str, loss_type: str, out: str):
     shift = 0.3 * torch.randn(mask.shape, generator=g)  # old log-probs off by a bit: some tokens clip
 
     actor = load_sharded_model(path, device, trainable=True)
-    mine = slice(rank * 4, rank * 4 + 4)
+    longest_first = sorted(range(8), key=lambda i: -len(prompts[i]) - len(responses[i]))
+    mine = longest_first[rank * 4: rank * 4 + 4]  # rank 0 holds the long sequences, rank 1 the short ones
     old_mine = batched_logprobs(actor, select(batch, mine), cfg.rollout.temperature, 4) + shift[mine]
     backward_mini_batch(actor, select(batch, mine), old_mine, None, advantages[mine], cfg)
     distributed = {name: p.grad.full_tensor() for name, p in actor.named_parameters()}
@@ -55,6 +58,17 @@ def main(loss_agg_mode: str, loss_type: str, out: str):
     dist.all_gather(counts, own_count)
     backward_mini_batch(actor, select(batch, mine), old_mine, None, advantages[mine], cfg)
     budget = {name: p.grad.full_tensor() for name, p in actor.named_parameters()}
+
+    # the same rows dealt out over the ranks by tokens (balance.py): the gradient is the same
+    actor.zero_grad(set_to_none=True)
+    cfg.actor.max_tokens_per_micro_batch = 0
+    tokens_before = sum(sequence_lengths(select(batch, mine)))
+    balanced, (old_balanced, advantages_balanced) = balance_over_ranks(select(batch, mine), [old_mine, advantages[mine]],
+                                                                       mini_batch=4, pad_id=0)
+    tokens = [None] * world
+    dist.all_gather_object(tokens, (tokens_before, sum(sequence_lengths(balanced))))
+    backward_mini_batch(actor, balanced, old_balanced, None, advantages_balanced, cfg)
+    balance = {name: p.grad.full_tensor() for name, p in actor.named_parameters()}
 
     # REINFORCE++: whitening over both ranks' tokens equals whitening of the whole batch in one place
     token_rewards = torch.randn(mask.shape, generator=g) * mask
@@ -75,12 +89,14 @@ def main(loss_agg_mode: str, loss_type: str, out: str):
         single = dict(model.named_parameters())
         grad_diff = max((distributed[k] - single[k].grad).abs().max().item() for k in distributed)
         budget_diff = max((budget[k] - single[k].grad).abs().max().item() for k in budget)
+        balance_diff = max((balance[k] - single[k].grad).abs().max().item() for k in balance)
         grad_scale = max(single[k].grad.abs().max().item() for k in distributed)
         whole = reinforce_pp_advantages(AdvantageInputs(token_rewards, mask, 1), cfg.algorithm)
-        whitening_diff = (torch.cat(pieces) - whole).abs().max().item()
+        whitening_diff = (torch.cat(pieces) - whole[longest_first]).abs().max().item()
         with open(out, "w") as f:
             json.dump({"grad_diff": grad_diff, "grad_scale": grad_scale, "whitening_diff": whitening_diff,
-                       "budget_diff": budget_diff, "budget_counts": [int(c) for c in counts]}, f)
+                       "budget_diff": budget_diff, "budget_counts": [int(c) for c in counts],
+                       "balance_diff": balance_diff, "tokens_per_rank": tokens}, f)
     dist.barrier()
     dist.destroy_process_group()
 

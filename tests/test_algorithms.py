@@ -253,7 +253,8 @@ def test_dynamic_sampling_keeps_only_keep_groups():
                                                       ("seq-mean-token-sum", "cispo")])
 def test_two_ranks_two_micro_batches_equal_one_batch(tmp_path, loss_agg_mode, loss_type):
     """Under torchrun (gloo, FSDP2): 2 ranks x 2 micro-batches give the gradient of the whole batch at once, and so
-    do micro-batches by a token budget, of which one rank needs more than the other on its own."""
+    do micro-batches by a token budget, of which one rank needs more than the other on its own, and the batch after
+    the ranks exchanged sequences to even out their tokens (rank 0 starts with the long ones)."""
     out = tmp_path / "result.json"
     torchrun(["tests/algorithms_worker.py", loss_agg_mode, loss_type, str(out)])
     result = json.loads(out.read_text())
@@ -261,6 +262,9 @@ def test_two_ranks_two_micro_batches_equal_one_batch(tmp_path, loss_agg_mode, lo
     assert result["grad_diff"] < 1e-5 * max(1.0, result["grad_scale"])
     assert result["budget_diff"] < 1e-5 * max(1.0, result["grad_scale"])
     assert len(set(result["budget_counts"])) > 1, "the ranks must need different numbers of micro-batches on their own"
+    assert result["balance_diff"] < 1e-5 * max(1.0, result["grad_scale"])
+    (before_0, after_0), (before_1, after_1) = result["tokens_per_rank"]
+    assert before_0 + before_1 == after_0 + after_1 and abs(after_0 - after_1) < abs(before_0 - before_1) / 2
     assert result["whitening_diff"] < 1e-5
 
 

@@ -41,7 +41,7 @@ def test_three_steps_end_to_end(tmp_path):
         assert all(math.isfinite(v) for v in m.values()), m
         for key in ("train/reward_overall", "train/reward_accuracy_std", "train/response_length_max",
                     "train/clip_ratio", "actor/kl_ref", "actor/entropy_proxy", "actor/grad_norm", "actor/lr",
-                    "actor/clipfrac_higher", "actor/pg_loss", "timing/generate", "timing/sync",
+                    "actor/clipfrac_higher", "actor/pg_loss", "timing/generate", "timing/balance", "timing/sync",
                     "perf/tokens_per_s", "perf/peak_memory_gib"):
             assert key in m, key
         assert m["rollout/logprob_diff_max"] < 1e-3, "vLLM and the trainer disagree: stale engine?"
