@@ -62,7 +62,9 @@ def balance_over_ranks(batch: dict, tensors: list[torch.Tensor | None], mini_bat
     held = deal(lengths, mini_batch)
     if all(held[r] == [(r, i) for i in range(len(lengths[r]))] for r in range(world)):
         return batch, tensors
-    outgoing = [[(i, _host_row(batch, tensors, i)) for r, i in held[dest] if r == rank] for dest in range(world)]
+    host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}  # one copy per tensor
+    host_tensors = [None if t is None else t.cpu() for t in tensors]
+    outgoing = [[(i, _host_row(host, host_tensors, i)) for r, i in held[dest] if r == rank] for dest in range(world)]
     device = batch["response_mask"].device
     received = {(source, i): row for source, rows in enumerate(_all_to_all(outgoing, device)) for i, row in rows}
     rows = [received[key] for key in held[rank]]
@@ -77,10 +79,11 @@ def balance_over_ranks(batch: dict, tensors: list[torch.Tensor | None], mini_bat
 
 
 def _host_row(batch: dict, tensors: list[torch.Tensor | None], i: int) -> dict:
-    """Row i of the batch and of `tensors`, cut to its lengths, on the host."""
+    """Row i of a host batch and of host `tensors`, cut to its lengths. The cuts are cloned: pickling a view
+    would send the whole tensor it views."""
     p, r = batch["prompt_lengths"][i], batch["response_lengths"][i]
     ids = batch["input_ids"][i, : p + r].tolist()
-    row = {"prompt": ids[:p], "response": ids[p:], "tensors": [None if t is None else t[i, :r].cpu() for t in tensors]}
+    row = {"prompt": ids[:p], "response": ids[p:], "tensors": [None if t is None else t[i, :r].clone() for t in tensors]}
     if "rollout_logprobs" in batch:
         row["rollout_logprobs"] = batch["rollout_logprobs"][i, :r].tolist()
     if "vision" in batch:

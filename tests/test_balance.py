@@ -5,10 +5,14 @@ import json
 import subprocess
 import sys
 
-import pytest
+import pickle
 
-from balance import deal
+import pytest
+import torch
+
+from balance import _host_row, deal
 from conftest import ROOT, free_port
+from logprobs import make_batch
 
 
 def test_the_docstring_example():
@@ -35,6 +39,13 @@ def test_a_mini_batch_that_would_not_gain_stays_where_it_is():
                                                                 [(1, 0), (1, 1), (0, 3), (1, 3)]]
     # one sequence per rank: no deal can lower the heaviest rank
     assert deal([[1], [9]], mini_batch=1) == [[(0, 0)], [(1, 0)]]
+
+
+def test_a_row_travels_without_the_rest_of_its_batch():
+    """A row's cut of a [B, R] tensor is a view; pickled as it is, it would carry the whole tensor."""
+    batch = make_batch([[1, 2]] * 64, [[3] * 2000] + [[4] * 3] * 63, pad_id=0)
+    advantages = torch.ones(batch["response_mask"].shape)  # [64, 2000]: 512 kB
+    assert len(pickle.dumps(_host_row(batch, [advantages, None], 1))) < 2000
 
 
 WORKER = """
