@@ -2,10 +2,9 @@
 That the gradient is unchanged by balancing is checked with the other distributed invariants (test_algorithms.py)."""
 
 import json
+import pickle
 import subprocess
 import sys
-
-import pickle
 
 import pytest
 import torch
