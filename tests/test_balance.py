@@ -31,13 +31,15 @@ def test_longest_first_onto_the_lightest_rank_with_room():
                                                                    [(0, 2), (1, 2), (2, 2)]]
 
 
-def test_a_mini_batch_that_would_not_gain_stays_where_it_is():
+def test_a_mini_batch_that_would_not_gain_enough_stays_where_it_is():
     assert deal([[5, 5], [5, 5]], mini_batch=2) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
     # mini-batch 0 even (left alone), mini-batch 1 uneven (dealt: 2 + 18 tokens -> 10 + 10)
     assert deal([[4, 6, 1, 1], [6, 4, 9, 9]], mini_batch=2) == [[(0, 0), (0, 1), (0, 2), (1, 2)],
                                                                 [(1, 0), (1, 1), (0, 3), (1, 3)]]
     # one sequence per rank: no deal can lower the heaviest rank
     assert deal([[1], [9]], mini_batch=1) == [[(0, 0)], [(1, 0)]]
+    # 41 + 39 tokens could become 40 + 40: 2.4% less on the heaviest rank, under MIN_GAIN, not worth an exchange
+    assert deal([[20, 21], [20, 19]], mini_batch=2) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
 
 
 def test_a_row_travels_without_the_rest_of_its_batch():
