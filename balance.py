@@ -67,9 +67,11 @@ def balance_over_ranks(batch: dict, tensors: list[torch.Tensor | None], mini_bat
         return batch, tensors
     host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}  # one copy per tensor
     host_tensors = [None if t is None else t.cpu() for t in tensors]
-    outgoing = [[(i, _host_row(host, host_tensors, i)) for r, i in held[dest] if r == rank] for dest in range(world)]
+    outgoing = [[] if dest == rank else [(i, _host_row(host, host_tensors, i)) for r, i in held[dest] if r == rank]
+                for dest in range(world)]
     device = batch["response_mask"].device
     received = {(source, i): row for source, rows in enumerate(_all_to_all(outgoing, device)) for i, row in rows}
+    received.update({(rank, i): _host_row(host, host_tensors, i) for r, i in held[rank] if r == rank})  # kept here
     rows = [received[key] for key in held[rank]]
     new = make_batch([r["prompt"] for r in rows], [r["response"] for r in rows], pad_id,
                      [r["rollout_logprobs"] for r in rows] if "rollout_logprobs" in batch else None, device,
