@@ -58,7 +58,7 @@ def deal(lengths: list[list[int]], mini_batch: int) -> list[list[Row]]:
 def balance_over_ranks(batch: dict, tensors: list[torch.Tensor | None], mini_batch: int,
                        pad_id: int) -> tuple[dict, list[torch.Tensor | None]]:
     """This rank's share of the batch after balancing (module docstring), and `tensors` ([B, R] each, zero on
-    padding, or None) rearranged with it. Unchanged when no mini-batch gains from moving sequences."""
+    padding, or None) rearranged with it. Unchanged when no mini-batch gains MIN_GAIN from moving sequences."""
     rank, world = dist.get_rank(), dist.get_world_size()
     lengths: list[list[int]] = [[] for _ in range(world)]
     dist.all_gather_object(lengths, sequence_lengths(batch))
