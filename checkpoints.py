@@ -2,7 +2,7 @@
 
 A run folder (`--trainer.output-dir`/`--trainer.experiment-name`):
 
-    runs/toy-grpo/
+    runs/toy/
       config.json                 the run's config (a resume lists the flags it changes)
       metrics.jsonl               one line per step; generations.jsonl: validation samples (trackers.py)
       checkpoints/
@@ -10,12 +10,13 @@ A run folder (`--trainer.output-dir`/`--trainer.experiment-name`):
         step_000040/
           model_optimizer/        torch distributed checkpoint: every rank writes its own shards
           rng/rank_0.pt ...       python, numpy, torch (and CUDA) RNG states of each rank
-          trainer_state.json      step, LR scheduler, loader position, KL coefficient, score, world size
+          trainer_state.json      step, LR scheduler, loader position, KL coefficient, score, world size, model, data
       final/                      the trained model as a Hugging Face folder
 
 Resume (`--trainer.resume`): `auto` (the default) continues from the latest complete checkpoint when the run
 folder has one; `best` from the one with the best `--trainer.best-metric`; or a checkpoint folder's path;
-`never` starts fresh. A fresh start refuses a folder that holds another run's files instead of mixing them.
+`never` starts fresh. A fresh start refuses a folder that holds another run's files instead of mixing them, and
+a resume refuses a checkpoint of another model or dataset (recorded in its trainer state).
 
 Design decisions:
 - Atomic by rename: every rank writes into `step_N.tmp`, then rank 0 renames it to `step_N`. The rename is
@@ -32,6 +33,7 @@ Design decisions:
 - A checkpoint folder must be visible to every rank: multi-node runs need a shared filesystem for it.
 """
 
+import errno
 import json
 import os
 import random
@@ -43,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
 RUN_FILES = ("metrics.jsonl", "generations.jsonl", "checkpoints")  # a folder holding any of these holds a run
@@ -69,26 +72,27 @@ def best_checkpoint(checkpoints: list[Path]) -> Path | None:
     return max(scored)[2] if scored else None
 
 
-def find_resume_point(run_dir: Path, resume: str) -> Path | None:
+def find_resume_point(run_dir: Path, resume: str, job: dict) -> Path | None:
     """The checkpoint to start from (None: a fresh run), or a SystemExit saying what to do.
 
     resume: auto (the latest checkpoint of run_dir; fresh if it has none), never, best, or a checkpoint path.
     A run folder only ever holds one history: a fresh start into a used folder, or a resume from another run's
-    checkpoint into it, is refused with the flags that do it in a new folder. Resuming from an earlier
-    checkpoint of the same run rewinds it (prepare_run_folder).
+    checkpoint into it, is refused with the flags that do it in a new folder; so is a checkpoint of another
+    model or dataset than `job` ({"model": ..., "data": ...}) names. Resuming from an earlier checkpoint of the
+    same run rewinds it (prepare_run_folder).
     """
     run_dir = Path(run_dir)
     checkpoints = complete_checkpoints(run_dir)
     holds_a_run = any((run_dir / name).exists() for name in RUN_FILES)
     if resume == "auto" and checkpoints:
-        return checkpoints[-1]
-    if resume in ("auto", "never"):
+        start = checkpoints[-1]
+    elif resume in ("auto", "never"):
         if holds_a_run:
             why = "and --trainer.resume never" if resume == "never" else "but no complete checkpoint to resume from"
             raise SystemExit(f"{run_dir} holds another run's files (metrics, checkpoints) {why}: choose another "
                              "--trainer.experiment-name, or delete the folder to start over")
         return None
-    if resume == "best":
+    elif resume == "best":
         start = best_checkpoint(checkpoints)
         if start is None:
             raise SystemExit(f"--trainer.resume best: no checkpoint in {run_dir / 'checkpoints'} has a validation score "
@@ -101,31 +105,61 @@ def find_resume_point(run_dir: Path, resume: str) -> Path | None:
     if holds_a_run and start.resolve().parent != (run_dir / "checkpoints").resolve():
         raise SystemExit(f"{run_dir} holds another run: continue from {start} in a new run folder "
                          f"(--trainer.experiment-name NEW --trainer.resume {start})")
+    saved = saved_job(start)
+    if saved is not None and saved != job:
+        raise SystemExit(f"{start} is a checkpoint of model {saved['model']} on data {saved['data']}, but this launch "
+                         f"trains model {job['model']} on data {job['data']}: choose another --trainer.experiment-name "
+                         "for a new run, or give the checkpoint's model and data to resume it")
     return start
+
+
+def saved_job(checkpoint: Path) -> dict | None:
+    """{"model": ..., "data": ...} a checkpoint was trained on: from its trainer state, or (checkpoints saved before
+    it recorded them) from its run's config.json; None if neither says."""
+    state, config = read_state(checkpoint), Path(checkpoint).parent.parent / "config.json"
+    if "model" in state:
+        return {"model": state["model"], "data": state["data"]}
+    if config.is_file():
+        config = json.loads(config.read_text())
+        return {"model": config["actor"]["model_path"], "data": config["data"]["train_files"]}
+    return None
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, *, model_only: bool,
                     save_limit: int, best_metric: str) -> Path:
     """Write step `step`'s checkpoint (collective: every rank writes its shards and RNG state), commit it by
-    rename, refresh tracker.json, then apply the save limit. `trainer_state` must hold the `score`."""
+    rename, refresh tracker.json, then apply the save limit. `trainer_state` must hold the `score`. A full disk
+    ends the run with one message; the unfinished folder is deleted and the earlier checkpoints stay valid."""
     final = step_folder(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    (tmp / "rng").mkdir(parents=True, exist_ok=True)
-    if model_only:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.save(state, checkpoint_id=tmp / "model_optimizer")
-    torch.save(rng_state(), tmp / "rng" / f"rank_{dist.get_rank()}.pt")
-    dist.barrier()  # every shard is on disk
+    try:
+        (tmp / "rng").mkdir(parents=True, exist_ok=True)
+        if model_only:
+            state = {"model": get_model_state_dict(model)}
+        else:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.save(state, checkpoint_id=tmp / "model_optimizer")
+        torch.save(rng_state(), tmp / "rng" / f"rank_{dist.get_rank()}.pt")
+        dist.barrier()  # every shard is on disk
+        if dist.get_rank() == 0:
+            (tmp / "trainer_state.json").write_text(json.dumps(
+                {**trainer_state, "step": step, "model_only": model_only, "world_size": dist.get_world_size(),
+                 "best_metric": best_metric}, indent=2))
+    except (OSError, RuntimeError, CheckpointException) as error:  # DCP raises the ranks' errors on every rank
+        need = state_bytes(model, None if model_only else optimizer)
+        full = out_of_space(error, tmp.parent, need)
+        shutil.rmtree(tmp, ignore_errors=True)  # created by this call
+        if not full:
+            raise
+        earlier = complete_checkpoints(run_dir)
+        raise SystemExit(f"no space left on device for checkpoint {final} (about {size_text(need)}): the "
+                         f"unfinished folder is deleted and {earlier[-1].name if earlier else 'no earlier checkpoint'} "
+                         "is intact; free some space and launch the same command to resume") from error
     if dist.get_rank() == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(
-            {**trainer_state, "step": step, "model_only": model_only, "world_size": dist.get_world_size(),
-             "best_metric": best_metric}, indent=2))
         os.replace(tmp, final)
         checkpoints = complete_checkpoints(run_dir)
         best = best_checkpoint(checkpoints)
@@ -136,6 +170,44 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
         write_tracker(run_dir)
     dist.barrier()
     return final
+
+
+def state_bytes(model, optimizer) -> int:
+    """Bytes of the model's (and the optimizer's) full state, what a checkpoint of them needs on disk; the same on
+    every rank (a sharded tensor's numel is its full size)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for state in optimizer.state.values() if optimizer is not None else []:
+        tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def readable_like_other_files(folder: Path) -> None:
+    """Give `folder` and its files the permissions the user's umask gives new files: transformers writes
+    model.safetensors through a private temporary file, mode 0600, which other users (a serving account) cannot
+    read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)  # mkdtemp made it 0700
+    for file in folder.iterdir():
+        if file.is_file():
+            file.chmod(0o666 & ~umask)
+
+
+def size_text(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def out_of_space(error: BaseException, folder: Path, need: int) -> bool:
+    """Whether `error`, raised while writing `need` bytes into `folder`, comes from a full disk: ENOSPC in it or in
+    what caused it, or less space left than needed (torch's zip writer reports a full disk as "unexpected pos")."""
+    seen = error
+    while seen is not None:
+        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free < need
 
 
 def remove(path: Path) -> None:
@@ -204,13 +276,13 @@ def remove_unfinished(run_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
 
 
-def agree_on_resume_point(run_dir: Path, resume: str) -> Path | None:
+def agree_on_resume_point(run_dir: Path, resume: str, job: dict) -> Path | None:
     """find_resume_point decided on rank 0 and sent to every rank (collective), so that all ranks start from
     the same place; a refusal ends every rank with the same message."""
     decision: list = [None]
     if dist.get_rank() == 0:
         try:
-            decision = [find_resume_point(run_dir, resume)]
+            decision = [find_resume_point(run_dir, resume, job)]
         except SystemExit as refusal:
             decision = [refusal]
     dist.broadcast_object_list(decision, src=0)
@@ -252,3 +324,16 @@ def changed_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             changes.append(f"{prefix}{key} {a} -> {b}")
     return changes
+
+
+def stop_note(run_dir: Path) -> str:
+    """What a stopped run can do next, for the line a Ctrl-C prints: the last step logged, the checkpoint the same
+    command resumes from."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    done = f" after step {json.loads(lines[-1])['step']} of {run_dir}" if lines else f" before {run_dir} logged a step"
+    checkpoints = complete_checkpoints(run_dir)
+    if checkpoints:
+        return f"{done}: the same command resumes from its checkpoint {checkpoints[-1].name}"
+    return (f"{done}, which has no checkpoint yet: delete the folder or choose another --trainer.experiment-name "
+            "to start over")

@@ -16,13 +16,17 @@ the error types in USER_ERRORS, whose messages this project writes to say what t
 with that message on one line and exit code 1, printed once however many ranks hit it; anything else is a
 bug and keeps its traceback. torchrun still adds its own "ChildFailedError" banner when a rank exits with an
 error (it cannot be turned off from inside the workers); its "Root Cause" shows the same message.
+A Ctrl-C (SIGINT to every rank and to torchrun) is one line too, saying where the run stands; torchrun prints
+its own traceback of the signal, which nothing inside the workers can stop.
 """
 
+import difflib
 import hashlib
 import io
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -54,7 +58,7 @@ def quiet_libraries(verbose: bool) -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    datasets.utils.logging.set_verbosity_error()
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)  # its errors also reach us as exceptions, reported once
     datasets.disable_progress_bars()
     logging.getLogger("torch.distributed.checkpoint").setLevel(logging.ERROR)
     # raised inside vLLM 0.32's triton dispatcher on every start-up; nothing a user can act on
@@ -70,13 +74,22 @@ def parse_quietly(parse: Callable, argv: list[str]):
 
 
 def run(main: Callable, *args) -> None:
-    """main(*args), with user errors reported as one line, once over all ranks, and exit code 1."""
+    """main(*args), with user errors reported as one line, once over all ranks, and exit code 1; a Ctrl-C as one
+    line too (what on_interrupt registered: where the run stopped, how to resume), exit code 130."""
     try:
         main(*args)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM follows a Ctrl-C: let the line out first
+        if env_verbose():
+            raise
+        if first_to_report("interrupted"):
+            print("stopped (Ctrl-C)" + "".join(note() for note in INTERRUPT_NOTES), file=sys.stderr, flush=True)
+        os._exit(130)
     except USER_ERRORS as error:
         if env_verbose() or (isinstance(error, SystemExit) and not isinstance(error.code, str)):
             raise  # a plain exit (tyro's --help, a parse error already printed) or a wanted traceback
-        message = str(error.code if isinstance(error, SystemExit) else error.args[0] if error.args else error)
+        message = str(error.code if isinstance(error, SystemExit) else error if isinstance(error, UnicodeError)
+                      else error.args[0] if error.args else error)
         if first_to_report(message):
             print(f"error: {message}", file=sys.stderr, flush=True)
         if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's failure banner shows this as the root cause
@@ -86,17 +99,37 @@ def run(main: Callable, *args) -> None:
         os._exit(1)  # not sys.exit: interpreter teardown would run vLLM's and gloo's finalizers on a broken run
 
 
-def first_to_report(message: str) -> bool:
-    """True for the first rank to report `message`. The ranks agree through torchrun's key-value store: the
-    process group's once it exists; before that (a bad flag, found by every rank at once), the store that
-    torchrun's agent hosts at MASTER_ADDR:MASTER_PORT. Deciding "rank 0 reports" instead loses the message
-    whenever another rank exits first: torchrun then kills rank 0 before it prints."""
-    store = shared_store()
-    if store is None:
-        return os.environ.get("RANK", "0") == "0"
+INTERRUPT_NOTES: list[Callable[[], str]] = []  # what the line of a Ctrl-C adds (a run: where it stands)
+
+
+def did_you_mean(name: str, choices) -> str:
+    """" (did you mean 'dapo'?)" for a name close to one of `choices`, else ""."""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def report_once(message: str) -> None:
+    """Print a warning once over all ranks and the whole run (the first rank's first), e.g. the first reward
+    failure of a run that scores failures 0; the later ones are counted in the metrics instead."""
+    if first_to_report("warning"):
+        print(message, file=sys.stderr, flush=True)
+
+
+def first_to_report(key: str) -> bool:
+    """True for the first rank to report under `key` (an error's message, "interrupted", ...). The ranks agree
+    through torchrun's key-value store: the process group's once it exists; before that (a bad flag, found by
+    every rank at once), the store that torchrun's agent hosts at MASTER_ADDR:MASTER_PORT. Deciding "rank 0
+    reports" instead loses the message whenever another rank exits first: torchrun then kills rank 0 before it
+    prints. Outside torchrun, or when the store is gone (torchrun shutting down), rank 0 reports."""
     rank = os.environ.get("RANK", "0")
-    key = "error:" + hashlib.sha1(message.encode()).hexdigest()  # not hash(): it is salted per process
-    return store.compare_set(key, "", rank).decode() == rank
+    try:
+        store = shared_store()
+        if store is None:
+            return rank == "0"
+        key = "report:" + hashlib.sha1(key.encode()).hexdigest()  # not hash(): it is salted per process
+        return store.compare_set(key, "", rank).decode() == rank
+    except (RuntimeError, OSError):  # DistStoreError and connection errors: no store to agree through
+        return rank == "0"
 
 
 def shared_store() -> dist.Store | None:

@@ -27,6 +27,12 @@ Design decisions:
   tokens the processor will give it. The count is kept in `num_filtered` for the trainer to log.
 - Images are decoded and resized (min/max pixels) here, once: the engine and the trainer get the same
   pixels. The prompt holds one `<|image_pad|>` per image, the form vLLM expands itself.
+- Dataset text is text: a row whose prompt holds a control token of the tokenizer (`<|im_end|>`, an image
+  placeholder) is refused rather than tokenized as one, which would let the data end the user's turn in the
+  model's input. Splitting the rendered prompt to tokenize the row's text without specials would tokenize
+  differently from what the engine is given; `--data.allow-special-tokens` keeps such rows as they are.
+- Validation data is the training data's own held-out split or none (`validation_files`): a default taken
+  from elsewhere would be reported as the run's score.
 - Every rank loads the whole dataset and draws the same permutation (seed + epoch), then takes its
   contiguous share of each global batch: no sampler, no communication.
 - The loader's position counts global prompts, so a resumed run gets the identical next batch, even on
@@ -34,7 +40,9 @@ Design decisions:
 - The incomplete last batch of an epoch is dropped: every step sees exactly batch_size prompts.
 """
 
+import codecs
 import io
+import json
 import math
 import random
 from collections.abc import Sequence
@@ -44,6 +52,8 @@ from typing import Any, TypedDict
 
 import datasets
 import jinja2
+import pyarrow
+import pyarrow.parquet
 from PIL import Image
 
 FILE_TYPES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
@@ -54,8 +64,8 @@ TEMPLATES = Path(__file__).parent / "templates"
 class DataConfig:
     train_files: str = "toy"
     """Training data `name[@split]`: `toy` (built-in task), a parquet/json/jsonl/csv file, a folder of them, or a hub id; split `train` unless given."""
-    val_files: str = "toy@test"
-    """Validation data, same format (e.g. `data/math12k@test`); empty string: no validation."""
+    val_files: str = "auto"
+    """Validation data, same format (e.g. `data/math12k@test`); auto: the training data's own test (or validation) split if it has one, else none; empty: none."""
     prompt_key: str = "problem"
     """Column holding the prompt text."""
     answer_key: str = "answer"
@@ -70,6 +80,8 @@ class DataConfig:
     """Images with more pixels are scaled down to this many; it bounds each image's tokens (pixels / 28^2 for Qwen2.5-VL)."""
     format_prompt: str = ""
     """Jinja template rendering the prompt as `{{ content }}`, e.g. templates/math.jinja (also found next to data.py); empty: the prompt as is."""
+    allow_special_tokens: bool = False
+    """Keep prompts whose text holds the tokenizer's control tokens (`<|im_end|>`, ...), which then act as such; refused by default (dataset text is text)."""
     max_prompt_length: int = 256
     """Prompts longer than this many tokens (chat template included) are dropped at start-up; the count is logged."""
     shuffle: bool = True
@@ -122,6 +134,37 @@ def toy_vision_rows(split: str) -> list[dict]:
     return rows
 
 
+def validation_files(train_files: str, val_files: str) -> tuple[str, str]:
+    """The validation data `--data.val-files` names ('' for none) and a note on where it comes from.
+
+    auto: the training dataset's own `test` split, else its `validation` split; a single file, or a dataset with
+    neither, has no validation (the note says so). Never another dataset: scores on data the run does not train
+    on would be reported as the run's own.
+    >>> validation_files("toy", "auto")
+    ('toy@test', 'validation: toy@test, the test split of the training data')
+    """
+    if val_files != "auto":
+        return val_files, f"validation: {val_files}" if val_files else "no validation (--data.val-files is empty)"
+    name, split = parse_spec(train_files)
+    path = Path(name).expanduser()
+    if name in ("toy", "toy_vision"):
+        splits = ["train", "test"]
+    elif path.is_file():
+        return "", (f"no validation: {train_files} is a single file, which has no test split (--data.val-files to "
+                    "give one)")
+    else:
+        try:
+            splits = datasets.get_dataset_split_names(str(path) if path.is_dir() else name)
+        except Exception:  # an unreachable hub: the training data's loading says why
+            splits = []
+    for candidate in ("test", "validation"):
+        if candidate in splits and candidate != (split or "train"):
+            spec = f"{name}@{candidate}"
+            return spec, f"validation: {spec}, the {candidate} split of the training data"
+    return "", (f"no validation: {train_files} has no test or validation split to hold out (--data.val-files to "
+                "give one)")
+
+
 def parse_spec(spec: str) -> tuple[str, str | None]:
     """`name[@split]` -> (name, split or None). `data/x.jsonl@test` -> ("data/x.jsonl", "test")."""
     name, at, split = spec.rpartition("@")
@@ -130,12 +173,58 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     return name, split
 
 
-def _load(description: str, *args, **kwargs) -> datasets.Dataset:
-    """datasets.load_dataset, with a failure reported as a ValueError naming what was being read."""
+def _load(description: str, *args, files: list[Path], **kwargs) -> datasets.Dataset:
+    """datasets.load_dataset, with a failure reported as a ValueError naming what was being read (the line, when a
+    JSON Lines file of `files` has one that is not JSON); a dataset without rows is refused too."""
     try:
-        return datasets.load_dataset(*args, **kwargs)
+        rows = datasets.load_dataset(*args, **kwargs)
     except Exception as error:
+        for file in files:
+            check_json_lines(file)
         raise ValueError(f"could not read dataset {description}: {type(error).__name__}: {error}") from error
+    if len(rows) == 0:
+        raise ValueError(f"dataset {description} has no rows")
+    return rows
+
+
+def check_file(path: Path) -> None:
+    """Refuse a data file that `datasets` would read wrongly or report in its own terms: a parquet file without
+    rows, an empty text file, text that is not UTF-8 (its bad bytes would surface later, at the row, as an error
+    naming only the codec). Read in blocks: a file of any size."""
+    if path.suffix == ".parquet":
+        try:
+            rows = pyarrow.parquet.read_metadata(path).num_rows
+        except pyarrow.ArrowException as error:
+            raise ValueError(f"dataset file {path} is not a readable parquet file: {error}") from error
+        if rows == 0:
+            raise ValueError(f"dataset file {path} has no rows")
+        return
+    decoder, offset, lines, content = codecs.getincrementaldecoder("utf-8")(), 0, 1, False
+    with open(path, "rb") as file:
+        while block := file.read(1 << 24):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as error:
+                where = offset + error.start
+                line = lines + block.count(b"\n", 0, error.start)
+                raise ValueError(f"dataset file {path} is not UTF-8 text: byte {block[error.start]:#04x} at offset "
+                                 f"{where} (line {line}); save it as UTF-8") from None
+            offset, lines, content = offset + len(block), lines + block.count(b"\n"), content or bool(block.strip())
+    if not content:
+        raise ValueError(f"dataset file {path} is empty")
+
+
+def check_json_lines(path: Path) -> None:
+    """Name the first line of a JSON Lines file that is not JSON (run once `datasets` has failed to read it)."""
+    if path.suffix != ".jsonl":
+        return
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, 1):
+            try:
+                line.strip() and json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"dataset file {path}, line {number}: not JSON ({error.msg} at column {error.colno}); "
+                                 "a .jsonl file holds one JSON object per line") from None
 
 
 def load_rows(spec: str) -> datasets.Dataset:
@@ -152,16 +241,20 @@ def load_rows(spec: str) -> datasets.Dataset:
                              f"drop '@{split}' or point at a folder of files named by split")
         if path.suffix not in FILE_TYPES:
             raise ValueError(f"dataset file {path} has an unsupported type; use one of {sorted(FILE_TYPES)}")
-        return _load(f"file {path}", FILE_TYPES[path.suffix], data_files=str(path), split="train")
+        check_file(path)
+        return _load(f"file {path}", FILE_TYPES[path.suffix], data_files=str(path), split="train", files=[path])
     split = split or "train"
     if path.is_dir():
-        return _load(f"folder {path} (split {split!r})", str(path), split=split)
+        files = sorted(f for f in path.rglob("*") if f.suffix in FILE_TYPES and f.is_file())
+        for file in files:
+            check_file(file)
+        return _load(f"folder {path} (split {split!r})", str(path), split=split, files=files)
     if path.suffix in FILE_TYPES or name.startswith(("/", ".", "~")):
         raise FileNotFoundError(f"dataset file or folder {str(path.absolute())!r} does not exist")
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as error:
-        raise RuntimeError(
+        raise ValueError(
             f"could not load {name!r} (split {split!r}) from the Hugging Face Hub: "
             f"{type(error).__name__}: {error}. No local file or folder has that name either. If this "
             "machine is offline, download the dataset elsewhere and pass a local file or folder "
@@ -211,13 +304,26 @@ class PromptDataset:
         self.cfg, self.tokenizer, self.name, self.processor = cfg, tokenizer, name, processor
         self.template = load_template(cfg.format_prompt)
         self.has_images = cfg.image_key in rows.column_names
+        # an image slot without its image breaks the model whatever the flag says; other control tokens in a
+        # dataset's text would start or end turns of the conversation the model reads (a prompt injection)
+        slots = {processor.image_token, processor.video_token} if processor is not None else set()
+        controls = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special} | slots
+        self.forbidden = sorted(slots if cfg.allow_special_tokens else controls)
 
-        def fits(text, images: list, index: int) -> bool:
+        def fits(text, images, index: int) -> bool:
+            if not isinstance(images, (list, tuple)):
+                raise ValueError(f"{self.where(index)}: column {cfg.image_key!r} must hold a list of images, got a "
+                                 f"{type(images).__name__} ({images!r:.60}); a row with one image holds a list of one")
             length = len(self.prompt_ids(self.prompt(text, index, len(images))))
             for number, image in enumerate(images):  # one <|image_pad|> in the prompt becomes the image's tokens
                 width, height = resized_size(*open_image(image, cfg.image_dir, self.where(index, number)).size,
                                              cfg.min_pixels, cfg.max_pixels)
-                length += self.image_tokens(width, height, index) - 1
+                try:
+                    length += self.image_tokens(width, height, index) - 1
+                except ValueError as error:  # the processor's own limits (Qwen-VL: aspect ratio below 200)
+                    file = f" (file {image!r})" if isinstance(image, str) else ""
+                    raise ValueError(f"{self.where(index, number)}{file}, {width} x {height} pixels after resizing: "
+                                     f"{error}") from None
             return length <= cfg.max_prompt_length
 
         # only the prompt (and image) columns are read; images only as far as their size
@@ -253,6 +359,13 @@ class PromptDataset:
         if not isinstance(text, str):
             raise ValueError(f"{self.where(index)}: column {self.cfg.prompt_key!r} must hold text, got "
                              f"{type(text).__name__} {text!r:.80}")
+        for token in self.forbidden:
+            if token in text:
+                raise ValueError(f"{self.where(index)}: the prompt holds {token!r}, a control token of the model's "
+                                 "tokenizer, which would act as one in its input" +
+                                 (": put `<image>` where an image goes" if token in ("<|image_pad|>", "<|video_pad|>")
+                                  else "; remove it, or pass --data.allow-special-tokens if the dataset really "
+                                  "carries control tokens"))
         content = self.template.render(content=text) if self.template else text
         if self.has_images and (num_images or "<image>" in content):
             if content.count("<image>") != num_images:

@@ -23,6 +23,7 @@ Design decisions:
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from attention import attention_implementation
+from checkpoints import out_of_space, readable_like_other_files, size_text
 from lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
 from vision import is_vision_language, keep_vision_tower_in_step
 
@@ -84,6 +86,53 @@ def to_floats(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
     tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
     on_host = dict(zip(tensors, torch.stack([v.to(torch.float64) for v in tensors.values()]).tolist())) if tensors else {}
     return {k: on_host[k] if k in on_host else float(v) for k, v in metrics.items()}
+
+
+def check_model_source(model_path: str, given: str, longest_sequence: int) -> None:
+    """Fail at start-up, in one line, on a model that cannot load or cannot hold the run's sequences: a folder
+    without config.json, a path that does not exist, a hub id the hub does not have, or one this machine can
+    neither reach nor finds in its Hugging Face cache; prompt + response longer than the model's context.
+
+    A hub id is looked up once, with a short timeout: offline, transformers would retry every file for about
+    20 s before failing. Offline with a cached copy, every later load is told to use the cache. `given`: the
+    flag's value, for the messages (`tiny:qwen2` for the folder it was built into).
+    """
+    flag = f"--actor.model-path {given}"
+    path = Path(model_path).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise SystemExit(f"{flag}: the folder has no config.json; give a Hugging Face model folder or a hub id")
+    if not path.is_dir():
+        if path.exists() or model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1:
+            raise SystemExit(f"{flag}: no such folder, and not a hub id (namespace/name)")
+        check_hub_model(model_path, flag)
+    context = AutoConfig.from_pretrained(model_path).get_text_config().max_position_embeddings
+    if longest_sequence > context:
+        raise SystemExit(f"--data.max-prompt-length + --rollout.max-response-length = {longest_sequence} tokens exceed "
+                         f"the context of {given} ({context} tokens, max_position_embeddings): lower either")
+
+
+def check_hub_model(repo_id: str, flag: str) -> None:
+    """check_model_source for a hub id."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return
+    try:
+        model_info(repo_id, timeout=10)
+    except GatedRepoError as error:
+        raise SystemExit(f"{flag}: a gated model: accept its terms on its hub page and log in (`hf auth login`)"
+                         ) from error
+    except RepositoryNotFoundError as error:
+        raise SystemExit(f"{flag}: no such folder, and the hub has no such model (a private one needs "
+                         "`hf auth login`)") from error
+    except Exception as error:  # no network: the cache, or nothing
+        if not isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            raise SystemExit(f"{flag}: no such folder, and a hub id that cannot be reached from this machine "
+                             f"({type(error).__name__}) nor is in its Hugging Face cache: download it where there "
+                             f"is a network (`hf download {repo_id}`) and pass its folder") from error
+        os.environ["HF_HUB_OFFLINE"] = "1"  # for vLLM, which reads it later
+        constants.HF_HUB_OFFLINE = True  # huggingface_hub read the variable when it was imported
 
 
 def model_class(config):
@@ -213,9 +262,29 @@ def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[
         yield name, shard.full_tensor() if isinstance(shard, DTensor) else shard
 
 
-def save_hf_model(model: FSDPModule, tokenizer, path: str | Path) -> None:
-    """Write a Hugging Face folder (safetensors + config + tokenizer, or a VLM's processor in its place)
-    atomically: tmp folder, then rename."""
+HF_MARKER = "COMPLETE"  # written last into every Hugging Face folder this project writes: a folder with it is ours
+
+
+def check_output_folder(path: str | Path, overwrite: bool, what: str) -> None:
+    """Refuse to write a Hugging Face folder where files are that this project did not write, and over an earlier
+    folder of ours unless `overwrite`: nothing is ever deleted that the program did not create. `what` names the
+    folder and how to choose another in the messages."""
+    path = Path(path)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return
+    if not (path / HF_MARKER).is_file():
+        raise SystemExit(f"{what} {path} exists and holds files this program did not write: it never writes over "
+                         "them; choose a new or empty folder")
+    if not overwrite:
+        raise SystemExit(f"{what} {path} holds an earlier model written by this program: pass --overwrite to replace "
+                         "it, or choose a new folder")
+
+
+def save_hf_model(model: FSDPModule, tokenizer, path: str | Path, overwrite: bool, what: str, if_full: str) -> None:
+    """Write a Hugging Face folder (safetensors + config + tokenizer, or a VLM's processor in its place) atomically:
+    into a new hidden folder beside `path`, renamed into place once complete. An earlier folder at `path` is
+    replaced only if this program wrote it and `overwrite` (check_output_folder). A full disk ends the run with
+    one message (`if_full` says what to do), the unfinished folder deleted."""
     if has_adapters(model):  # LoRA: the merged weights under the base model's names, a plain HF model
         dtype = next(p.dtype for n, p in model.named_parameters() if ".lora_" not in n)
         state = {name: tensor.cpu() for name, tensor in merged_weights(model, dtype)}
@@ -226,11 +295,26 @@ def save_hf_model(model: FSDPModule, tokenizer, path: str | Path) -> None:
         state.pop(next(name for name, module in model.named_modules() if module is head) + ".weight", None)
     if dist.get_rank() == 0:
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        base_of(model).save_pretrained(tmp, state_dict=state)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "COMPLETE").write_text(json.dumps({"format": "hf"}))
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        check_output_folder(path, overwrite, what)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        need = sum(t.numel() * t.element_size() for t in state.values())
+        try:
+            base_of(model).save_pretrained(tmp, state_dict=state)
+            tokenizer.save_pretrained(tmp)
+            readable_like_other_files(tmp)
+            (tmp / HF_MARKER).write_text(json.dumps({"format": "hf"}))
+        except Exception as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if out_of_space(error, path.parent, need):
+                raise SystemExit(f"no space left on device for {what} {path} (about {size_text(need)}): "
+                                 f"nothing was written there; {if_full}") from error
+            raise
+        if path.exists():  # an earlier folder of ours (checked above): out of the way, then deleted
+            old = tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
     dist.barrier()

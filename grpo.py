@@ -28,6 +28,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -42,11 +43,13 @@ import yaml
 from torch.distributed.tensor import DTensor
 
 from balance import balance_over_ranks
-from checkpoints import agree_on_resume_point, load_checkpoint, prepare_run_folder, save_checkpoint
-from console import parse_quietly, quiet_libraries, run
-from data import DataConfig, PromptDataset, PromptItem, PromptLoader, load_rows, shard
-from fsdp_utils import (all_reduce, init_distributed, load_sharded_model, move_training_state, save_hf_model,
-                        sum_over_ranks, to_floats)
+from checkpoints import (agree_on_resume_point, load_checkpoint, prepare_run_folder, read_state, save_checkpoint,
+                         stop_note)
+from console import INTERRUPT_NOTES, did_you_mean, parse_quietly, quiet_libraries, report_once, run
+from data import (DataConfig, PromptDataset, PromptItem, PromptLoader, load_rows, parse_spec, shard,
+                  validation_files)
+from fsdp_utils import (HF_MARKER, all_reduce, check_model_source, check_output_folder, init_distributed,
+                        load_sharded_model, move_training_state, save_hf_model, sum_over_ranks, to_floats)
 from logprobs import batched_logprobs, make_batch, micro_batches, response_logprobs, select
 from lora import LoRAConfig, adapters_off, base_of
 from memory import check_run_memory
@@ -54,7 +57,7 @@ from metrics import PhaseTimer, logprob_metrics, peak_memory_gib, score_metrics,
 from optimizer import build_optimizer, lr_lambda
 from rewards import RewardConfig, RewardFunction, RewardInput
 from rollout import Response, RolloutConfig, build_rollout, vllm_environment
-from tiny import resolve_model
+from tiny import ARCHITECTURES, VISION_ARCHITECTURES, resolve_model
 from trackers import Trackers, check_loggers
 from vision import expand_prompt, is_vision_language
 
@@ -102,9 +105,9 @@ class ActorConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator: a name in ADVANTAGE_ESTIMATORS below (presets in configs/ pick the matching loss)."""
+    """Advantage estimator: a name in ADVANTAGE_ESTIMATORS (listed at the top of --help; presets pick the matching loss)."""
     loss_type: str = "ppo_clip"
-    """Policy loss: a name in POLICY_LOSSES below."""
+    """Policy loss: a name in POLICY_LOSSES (listed at the top of --help)."""
     clip_ratio_low: float = 0.2
     """PPO clip: lower bound of the ratio is 1 - clip_ratio_low (inf: no lower bound)."""
     clip_ratio_high: float = 0.3
@@ -177,8 +180,8 @@ class TrainerConfig:
     """Parent folder of run folders (and of the tiny models built for `tiny:*`)."""
     project_name: str = "grpo"
     """Project name in the trackers (wandb, swanlab, mlflow experiment)."""
-    experiment_name: str = "toy-grpo"
-    """Run folder name (output_dir/experiment_name) and the run's name in the trackers."""
+    experiment_name: str = ""
+    """Run folder name (output_dir/experiment_name) and the run's name in the trackers; empty: the preset's name, or `<model>_<data>` without one."""
     logger: tuple[str, ...] = ("console", "jsonl")
     """Where metrics go, several at once: console jsonl tensorboard wandb swanlab mlflow (trackers.py)."""
     verbose: bool = False
@@ -629,17 +632,28 @@ def validate(rollout, val_items, step, tokenizer, reward_fn, device: torch.devic
 
 def check_config(cfg: Config, world_size: int) -> None:
     """Fail before anything is loaded, naming the flag to change."""
-    t, n = cfg.trainer, cfg.rollout.n
-    problems = []
+    t, n, r, a = cfg.trainer, cfg.rollout.n, cfg.rollout, cfg.actor
+    bounds = {"trainer.total-steps": (t.total_steps, 1), "trainer.rollout-batch-size": (t.rollout_batch_size, 1),
+              "trainer.global-batch-size": (t.global_batch_size, 1), "trainer.ppo-epochs": (t.ppo_epochs, 1),
+              "trainer.save-freq": (t.save_freq, 0), "trainer.val-freq": (t.val_freq, 0),
+              "trainer.save-limit": (t.save_limit, 0), "actor.lr": (a.lr, 0), "actor.warmup-steps": (a.warmup_steps, 0),
+              "actor.micro-batch-size": (a.micro_batch_size, 1), "rollout.n": (n, 1), "rollout.val-n": (r.val_n, 1),
+              "rollout.max-response-length": (r.max_response_length, 1), "rollout.val-temperature": (r.val_temperature, 0),
+              "data.max-prompt-length": (cfg.data.max_prompt_length, 1), "algorithm.kl-coef": (cfg.algorithm.kl_coef, 0)}
+    problems = [f"--{flag} {value} must be at least {low}" for flag, (value, low) in bounds.items() if value < low]
+    if r.temperature <= 0:
+        problems.append(f"--rollout.temperature {r.temperature} must be above 0: the trainer divides its logits by it, "
+                        "and at 0 the n responses to a prompt are one and the same (--rollout.val-temperature may be 0)")
+    if not (0 < r.top_p <= 1 and 0 < r.val_top_p <= 1):
+        problems.append(f"--rollout.top-p {r.top_p} and --rollout.val-top-p {r.val_top_p} must be in (0, 1]")
+    if problems:  # the checks below divide by these numbers
+        raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
     if t.rollout_batch_size % world_size:
         problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} must be divisible by the world size {world_size}")
     if t.rollout_batch_size % t.global_batch_size:
         problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} must be a multiple of --trainer.global-batch-size {t.global_batch_size}")
     if (t.global_batch_size * n) % world_size:
         problems.append(f"--trainer.global-batch-size x --rollout.n ({t.global_batch_size} x {n}) must be divisible by the world size {world_size}")
-    elif (t.global_batch_size * n // world_size) % cfg.actor.micro_batch_size and not cfg.actor.max_tokens_per_micro_batch:
-        problems.append(f"--actor.micro-batch-size {cfg.actor.micro_batch_size} must divide the per-rank mini-batch "
-                        f"(global_batch_size x n / world size = {t.global_batch_size * n // world_size} sequences)")
     longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     if 0 < cfg.actor.max_tokens_per_micro_batch < longest:
         problems.append(f"--actor.max-tokens-per-micro-batch {cfg.actor.max_tokens_per_micro_batch} must hold the longest "
@@ -649,7 +663,8 @@ def check_config(cfg: Config, world_size: int) -> None:
                         "--rollout.engine vllm or drop the flag")
     algo = cfg.algorithm
     if algo.adv_estimator not in ADVANTAGE_ESTIMATORS:
-        problems.append(f"--algorithm.adv-estimator {algo.adv_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        problems.append(f"--algorithm.adv-estimator {algo.adv_estimator!r}"
+                        f"{did_you_mean(algo.adv_estimator, ADVANTAGE_ESTIMATORS)}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
     else:  # a dry run on one group of n zero rewards finds what an estimator needs of n
         zeros = torch.zeros(n, 1)
         try:
@@ -657,7 +672,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         except ValueError as error:
             problems.append(f"--rollout.n {n}: {algo.adv_estimator} compares responses within a group ({error})")
     if algo.loss_type not in POLICY_LOSSES:
-        problems.append(f"--algorithm.loss-type {algo.loss_type!r}: choose one of {sorted(POLICY_LOSSES)}")
+        problems.append(f"--algorithm.loss-type {algo.loss_type!r}{did_you_mean(algo.loss_type, POLICY_LOSSES)}: "
+                        f"choose one of {sorted(POLICY_LOSSES)}")
     if algo.use_kl_loss and algo.use_kl_in_reward:
         problems.append("--algorithm.use-kl-loss and --algorithm.use-kl-in-reward: pick one place for the KL")
     if algo.online_filtering and algo.max_sampling_rounds < 1:
@@ -680,28 +696,41 @@ def main(cfg: Config) -> None:
 
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_loggers(list(cfg.trainer.logger))
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
+    if cfg.trainer.save_final:  # the run's final folder may only replace an earlier one of ours
+        check_output_folder(run_dir / "final", overwrite=True, what="the run's final model folder")
     model_path = resolve_model(cfg.actor.model_path, cfg.trainer.output_dir)
     rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes)
     dist.barrier()  # every node's tiny model is written
+    check_model_source(model_path, cfg.actor.model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     torch.manual_seed(cfg.trainer.seed)
     console = Console(quiet=rank != 0, soft_wrap=True)
-    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
-    start = agree_on_resume_point(run_dir, cfg.trainer.resume)  # None: a fresh run
+    job = {"model": cfg.actor.model_path, "data": cfg.data.train_files}  # a checkpoint of another job is refused
+    start = agree_on_resume_point(run_dir, cfg.trainer.resume, job)  # None: a fresh run
+    first_step = read_state(start)["step"] + 1 if start is not None else 1
+    final_written = not cfg.trainer.save_final or (run_dir / "final" / HF_MARKER).is_file()
+    if first_step > cfg.trainer.total_steps and final_written:  # a finished run: nothing to do, nothing to record
+        console.print(f"nothing to train: {run_dir} is at step {first_step - 1} of --trainer.total-steps "
+                      f"{cfg.trainer.total_steps}; raise it to train on, or choose another --trainer.experiment-name")
+        dist.destroy_process_group()
+        return
     if rank == 0:
         prepare_run_folder(run_dir, dataclasses.asdict(cfg), start, say=console.print)
+    INTERRUPT_NOTES.append(lambda: stop_note(run_dir))  # a Ctrl-C says where the run stands
 
     # ---- data, reward, models, engine ------------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # a vision-language model's processor renders prompts with images and knows what an image costs in tokens
     processor = AutoProcessor.from_pretrained(model_path) if is_vision_language(AutoConfig.from_pretrained(model_path)) else None
     train_set = PromptDataset(load_rows(cfg.data.train_files), cfg.data, tokenizer, cfg.data.train_files, processor)
-    val_set = (PromptDataset(load_rows(cfg.data.val_files), cfg.data, tokenizer, cfg.data.val_files, processor)
-               if cfg.data.val_files else None)
+    val_files, val_note = validation_files(cfg.data.train_files, cfg.data.val_files)  # never another dataset by default
+    val_set = PromptDataset(load_rows(val_files), cfg.data, tokenizer, val_files, processor) if val_files else None
     console.print(f"data: {len(train_set)} training prompts ({train_set.num_filtered} longer than "
-                  f"{cfg.data.max_prompt_length} tokens dropped), {len(val_set) if val_set else 0} validation prompts")
+                  f"{cfg.data.max_prompt_length} tokens dropped), {len(val_set) if val_set else 0} validation prompts; "
+                  + val_note)
     loader = PromptLoader(train_set, cfg.trainer.rollout_batch_size, rank, world, cfg.data.seed, cfg.data.shuffle)
     val_items = shard(val_set, rank, world) if val_set else []
-    reward_fn = RewardFunction(cfg.reward, cfg.rollout.max_response_length)
+    reward_fn = RewardFunction(cfg.reward, cfg.rollout.max_response_length, report=report_once)
 
     algo = cfg.algorithm
     uses_kl = algo.use_kl_loss or algo.use_kl_in_reward
@@ -726,15 +755,16 @@ def main(cfg: Config) -> None:
         base_of(actor).model.visual.requires_grad_(False)
     optimizer = build_optimizer(actor.parameters(), cfg.actor.optimizer, cfg.actor.lr, cfg.actor.betas,
                                 cfg.actor.weight_decay)
+    # a non-finite gradient skips optimizer.step() on purpose (update_policy): torch would warn at the scheduler's step
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.actor.warmup_steps, cfg.actor.lr_schedule,
                                                                        cfg.actor.min_lr_ratio, cfg.trainer.total_steps))
     kl_coef = algo.kl_coef  # the KL-in-reward coefficient; token_rewards() returns the next one (adaptive KL)
-    first_step = 1
     if start is not None:  # everything a step depends on, as it was after the checkpoint's step
         state = load_checkpoint(start, actor, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         loader.load_state_dict(state["loader"])
-        kl_coef, first_step = state["kl_coef"], state["step"] + 1
+        kl_coef = state["kl_coef"]
         console.print(f"resumed from {start} (step {state['step']}"
                       + (", model only: AdamW restarts from zero moments)" if state["model_only"] else ")"))
     offload = cfg.actor.offload_while_generating  # the engine starts and generates with the training state on the host
@@ -847,23 +877,24 @@ def main(cfg: Config) -> None:
                 save_start = time.perf_counter()
                 path = save_checkpoint(run_dir, step, actor, optimizer,
                                        {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                                        "kl_coef": kl_coef, "score": metrics.get(cfg.trainer.best_metric)},
+                                        "kl_coef": kl_coef, "score": metrics.get(cfg.trainer.best_metric), **job},
                                        model_only=cfg.trainer.save_model_only, save_limit=cfg.trainer.save_limit,
                                        best_metric=cfg.trainer.best_metric)
                 progress.console.print(f"saved {path} in {time.perf_counter() - save_start:.1f}s")
             progress.advance(task)
 
     if cfg.trainer.save_final:
-        save_hf_model(actor, processor or tokenizer, run_dir / "final")
+        save_hf_model(actor, processor or tokenizer, run_dir / "final", overwrite=True,
+                      what="the run's final model folder", if_full="the trained weights are in the last checkpoint: "
+                      "free some space and launch the same command to write it" if cfg.trainer.save_freq
+                      else "the run saved no checkpoint (--trainer.save-freq 0)")
+        console.print(f"saved the trained model to {run_dir / 'final'} (a Hugging Face folder)")
     if history:
         first, last = history[0], history[-5:]
         console.print(f"done: steps {first['step']}-{history[-1]['step']} in {time.perf_counter() - start_time:.0f}s; "
                       f"train reward {first['train/reward_overall']:.3f} (step {first['step']}) -> "
                       f"{sum(h['train/reward_overall'] for h in last) / len(last):.3f} (mean of the last {len(last)} "
                       f"steps); run folder {run_dir}")
-    else:
-        console.print(f"nothing to train: the run is at step {first_step - 1} of --trainer.total-steps "
-                      f"{cfg.trainer.total_steps}; raise it to train on")
     trackers.close()
     dist.barrier()
     rollout.shutdown()
@@ -873,15 +904,30 @@ def main(cfg: Config) -> None:
 
 def parse_config(argv: list[str]) -> Config:
     """`[PRESET] [--flags]`: a preset is a YAML file (or its name in configs/) overriding the defaults."""
-    default = Config()
+    default, preset = Config(), None
+    presets = sorted(p.stem for p in (Path(__file__).parent / "configs").glob("*.yaml"))
     if argv and not argv[0].startswith("-"):
         name, argv = argv[0], argv[1:]
         path = Path(name) if name.endswith((".yaml", ".yml")) else Path(__file__).parent / "configs" / f"{name}.yaml"
         if not path.exists():
-            presets = sorted(p.stem for p in (Path(__file__).parent / "configs").glob("*.yaml"))
-            raise SystemExit(f"unknown preset {name!r}: choose one of {presets} or give a path to a .yaml file")
-        default = override(default, yaml.safe_load(path.read_text()) or {}, str(path))
-    return tyro.cli(Config, default=default, args=argv)
+            raise SystemExit(f"unknown preset {name!r}{did_you_mean(name, presets)}: choose one of {presets} or give "
+                             "a path to a .yaml file")
+        default, preset = override(default, yaml.safe_load(path.read_text()) or {}, str(path)), path.stem
+    cfg = tyro.cli(Config, default=default, args=argv, prog="grpo.py [PRESET]", description=(
+        f"GRPO-style RL with an FSDP2 actor and vLLM. PRESET: a file of configs/ ({', '.join(presets)}) or a .yaml "
+        f"path; flags override it. Tiny random models (no download): --actor.model-path tiny:ARCH, ARCH one of "
+        f"{', '.join(sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES))}. Advantage estimators: "
+        f"{', '.join(ADVANTAGE_ESTIMATORS)}. Policy losses: {', '.join(POLICY_LOSSES)}."))
+    if not cfg.trainer.experiment_name:
+        cfg.trainer.experiment_name = preset or default_run_name(cfg.actor.model_path, cfg.data.train_files)
+    return cfg
+
+
+def default_run_name(model_path: str, train_files: str) -> str:
+    """A run's name without a preset: `<model>_<data>` (tiny-qwen2_toy, Qwen2.5-7B-Instruct_math12k), the same for
+    the same job, so that launching it again resumes it, and another for another model or dataset."""
+    model = model_path.replace("tiny:", "tiny-").rstrip("/").rsplit("/", 1)[-1]
+    return f"{model}_{Path(parse_spec(train_files)[0].rstrip('/')).stem}"
 
 
 def override(config, changes: dict, where: str):
@@ -889,7 +935,8 @@ def override(config, changes: dict, where: str):
     updates = {}
     for key, value in changes.items():
         if not hasattr(config, key):
-            raise SystemExit(f"{where}: unknown key {key!r}; valid keys: {[f.name for f in dataclasses.fields(config)]}")
+            keys = [f.name for f in dataclasses.fields(config)]
+            raise SystemExit(f"{where}: unknown key {key!r}{did_you_mean(key, keys)}; valid keys: {keys}")
         current = getattr(config, key)
         if dataclasses.is_dataclass(current):
             value = override(current, value, f"{where}:{key}")

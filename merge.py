@@ -1,14 +1,19 @@
 """The merger: a Hugging Face model folder from a run's checkpoint, LoRA merged into the base.
 
-    python -m merge runs/toy-grpo OUT                              # the run's latest checkpoint
-    python -m merge runs/toy-grpo/checkpoints/step_000040 OUT      # that checkpoint
-    torchrun --nproc_per_node 8 -m merge runs/big-run OUT          # a model that needs several GPUs to hold
+    python -m merge runs/toy OUT                              # the run's latest checkpoint
+    python -m merge runs/toy/checkpoints/step_000040 OUT      # that checkpoint
+    python -m merge runs/toy OUT --overwrite                  # replace OUT, an earlier merger output
+    torchrun --nproc_per_node 8 -m merge runs/big-run OUT     # a model that needs several GPUs to hold
 
 OUT gets safetensors, config, generation config, and the tokenizer (a vision-language model's processor): it loads
 with `from_pretrained` and with vLLM. The model is rebuilt from the run's config.json (the base model, the LoRA
 settings), filled from the checkpoint's sharded weights (torch distributed checkpoint reshards them onto however
 many processes run this), and written by the same code as the run's own final save (fsdp_utils.save_hf_model),
 so adapters are merged, W + (alpha / rank) B A, exactly as the engine received them during training.
+
+OUT must be new or empty: the merger never writes over files it did not write. An earlier merger output (it
+holds the COMPLETE marker the merger writes last) is replaced with --overwrite; the new folder is written beside
+it and renamed into place, so a failed merge leaves the earlier one as it was.
 """
 
 import json
@@ -20,7 +25,8 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from checkpoints import complete_checkpoints, load_model
-from fsdp_utils import init_distributed, load_sharded_model, save_hf_model
+from console import quiet_libraries, run
+from fsdp_utils import check_output_folder, init_distributed, load_sharded_model, save_hf_model
 from lora import LoRAConfig
 from tiny import resolve_model
 from vision import is_vision_language
@@ -40,7 +46,7 @@ def checkpoint_and_run(source: Path) -> tuple[Path, Path]:
     return checkpoints[-1], source
 
 
-def merge(source: str | Path, out: str | Path, device: torch.device) -> Path:
+def merge(source: str | Path, out: str | Path, device: torch.device, overwrite: bool = False) -> Path:
     """Write the model of `source` (a run folder or a checkpoint folder) to `out` as a Hugging Face folder."""
     checkpoint, run_dir = checkpoint_and_run(Path(source))
     config = json.loads((run_dir / "config.json").read_text())
@@ -52,19 +58,24 @@ def merge(source: str | Path, out: str | Path, device: torch.device) -> Path:
                                lora=lora)
     load_model(checkpoint, model)
     vision = is_vision_language(AutoConfig.from_pretrained(model_path))
-    save_hf_model(model, (AutoProcessor if vision else AutoTokenizer).from_pretrained(model_path), out)
+    save_hf_model(model, (AutoProcessor if vision else AutoTokenizer).from_pretrained(model_path), out, overwrite,
+                  "the merger's output folder", "free some space and run the merger again")
     return checkpoint
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 2:
-        raise SystemExit("usage: python -m merge RUN_FOLDER_OR_CHECKPOINT OUT")
+    overwrite = "--overwrite" in argv
+    paths = [arg for arg in argv if arg != "--overwrite"]
+    if len(paths) != 2 or any(arg.startswith("-") for arg in paths):
+        raise SystemExit("usage: python -m merge RUN_FOLDER_OR_CHECKPOINT OUT [--overwrite]")
+    quiet_libraries(verbose=False)
+    check_output_folder(paths[1], overwrite, "the merger's output folder")  # before anything loads
     _, _, device = init_distributed()
-    checkpoint = merge(argv[0], argv[1], device)
+    checkpoint = merge(paths[0], paths[1], device, overwrite)
     if dist.get_rank() == 0:
-        print(f"merged {checkpoint} into {argv[1]}")
+        print(f"merged {checkpoint} into {paths[1]}")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run(main, sys.argv[1:])

@@ -83,4 +83,6 @@ def step_line(step: int, metrics: dict[str, float]) -> str:
     return (f"step {step:>4} | reward {metrics['train/reward_overall']:.3f} | len {metrics['train/response_length_mean']:.1f} "
             f"| kl {metrics['actor/kl_ref']:.4f} | grad {metrics['actor/grad_norm']:.3f} "
             f"| engine gap {metrics['rollout/logprob_diff_mean']:.1e} | {metrics['timing/step']:.2f}s"
-            + (f" | val {metrics['val/reward_overall']:.3f}" if "val/reward_overall" in metrics else ""))
+            + (f" | val {metrics['val/reward_overall']:.3f}" if "val/reward_overall" in metrics else "")
+            + (f" | {metrics['actor/skipped_steps']:.0f} optimizer step(s) skipped: non-finite gradient"
+               if metrics["actor/skipped_steps"] else ""))

@@ -8,9 +8,12 @@ Design decisions:
   the whole dataset row and its images.
 - `overall` is the reward; every other key (format, accuracy, ...) is logged as mean/std and can be
   the dynamic-sampling key, so all samples must return the same keys.
-- Every result is checked (dict with `overall`, finite real numbers, right batch length). A bad one
-  raises RewardError naming the function, the sample index, its response and ground truth: a NaN
-  reward silently poisons the advantages, so we stop at the sample that caused it.
+- Every result is checked (dict with `overall`, finite real numbers within float32's range, right batch
+  length), and every call is timed (`--reward.timeout`). A bad result, a call that raises, exits or runs
+  too long raises RewardError naming the function, the sample index, its response and ground truth: a
+  NaN reward silently poisons the advantages, and a hung reward would hang every rank at the next
+  collective, so we stop at the sample that caused it; or (`--reward.on-error zero`) the sample scores 0,
+  reported once and counted in a `failed` key.
 - Kwargs are checked against the function's signature at start-up, not at the first rollout.
 
 Use: `--reward.function math --reward.kwargs format_weight 0.2`
@@ -20,14 +23,17 @@ Use: `--reward.function math --reward.kwargs format_weight 0.2`
 import importlib.util
 import inspect
 import re
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from math import isfinite
 from numbers import Real
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
@@ -45,6 +51,10 @@ class RewardConfig:
     """DAPO overlong shaping: responses longer than max_response_length - this many tokens are penalised (0: off)."""
     overlong_penalty_factor: float = 1.0
     """DAPO overlong shaping: weight of the penalty (which goes from 0 to -1 across the buffer)."""
+    timeout: float = 120.0
+    """Seconds one call may run (a sample's, or the whole batch's with --reward.batch); 0: no limit."""
+    on_error: Literal["raise", "zero"] = "raise"
+    """A call that times out, raises or returns a bad result: end the run naming the sample (raise), or score it 0, counted in reward_failed (zero)."""
 
 
 class RewardInput(TypedDict):
@@ -158,17 +168,24 @@ def overlong_penalty(response_length: int, max_length: int, buffer: int) -> floa
 # ---------------------------------------------------------------------------------------------------
 
 class RewardFunction:
-    """The configured reward, called on a list of samples; every result is checked.
+    """The configured reward, called on a list of samples; every call is timed and every result checked.
 
     RewardFunction(RewardConfig("toy"))([{"response": "7", "ground_truth": "7", ...}])
     -> [{"overall": 1.0, "accuracy": 1.0, "concise": 1.0}]
+
+    A call that fails (runs past --reward.timeout, raises, exits, returns something that is not a dict of finite
+    numbers with `overall`) ends the run with a RewardError naming the reward and the sample (--reward.on-error
+    raise), or scores its samples 0 on every key, reported once through `report` and counted in the `failed`
+    key every result then carries (zero).
     """
 
-    def __init__(self, config: RewardConfig, max_response_length: int = 0):
-        self.config, self.max_response_length = config, max_response_length
+    def __init__(self, config: RewardConfig, max_response_length: int = 0, report: Callable[[str], None] = print):
+        self.config, self.max_response_length, self.report = config, max_response_length, report
         if config.overlong_buffer and not 0 < config.overlong_buffer < max_response_length:
             raise RewardError(f"--reward.overlong-buffer {config.overlong_buffer} must be between 0 and "
                               f"--rollout.max-response-length {max_response_length}")
+        if config.timeout < 0:
+            raise RewardError(f"--reward.timeout {config.timeout} must be at least 0 (0: no limit)")
         self.name = config.function  # the spec string, for logs and error messages
         self.kwargs = dict(config.kwargs)
         self.batch = config.batch
@@ -179,28 +196,30 @@ class RewardFunction:
             inspect.signature(self.fn).bind(None, **self.kwargs)
         except TypeError as exc:
             raise RewardError(f"reward {self.name!r} does not take --reward.kwargs {self.kwargs}: {exc}") from exc
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        self.deadline = Deadline() if config.timeout and on_main_thread else None
+        self.keys: list[str] = []  # of the results so far: what a failed sample is scored 0 on
 
     def __call__(self, inputs: list[RewardInput]) -> list[dict[str, float]]:
         if self.batch:
-            try:
-                results = self.fn(inputs, **self.kwargs)
-            except Exception as exc:
-                raise RewardError(f"reward {self.name!r} raised {exc!r} on a batch of {len(inputs)} samples") from exc
-            if not isinstance(results, (list, tuple)) or len(results) != len(inputs):
+            results = self._call(inputs, 0, inputs[0], f"on a batch of {len(inputs)} samples")
+            if not isinstance(results, RewardError) and (not isinstance(results, (list, tuple))
+                                                         or len(results) != len(inputs)):
                 got = f"{len(results)} results" if isinstance(results, (list, tuple)) else repr(results)[:80]
-                raise RewardError(f"batch reward {self.name!r} returned {got} for {len(inputs)} samples")
+                results = self._failed(0, inputs[0], f"returned {got}", f"for {len(inputs)} samples")
+            if isinstance(results, RewardError):
+                results = [results] * len(inputs)
         else:
-            results = []
-            for i, inp in enumerate(inputs):
-                try:
-                    results.append(self.fn(inp, **self.kwargs))
-                except Exception as exc:
-                    raise self._error(i, inp, f"raised {exc!r}") from exc
-
+            results = [self._call(inp, i, inp) for i, inp in enumerate(inputs)]
         scores = [self._check(i, inp, result) for i, (inp, result) in enumerate(zip(inputs, results))]
         for i, (inp, score) in enumerate(zip(inputs, scores)):
-            if score.keys() != scores[0].keys():
-                raise self._error(i, inp, f"returned keys {sorted(score)}, sample 0 returned {sorted(scores[0])}")
+            if isinstance(score, dict) and self.keys and sorted(score) != self.keys:
+                scores[i] = self._failed(i, inp, f"returned keys {sorted(score)}, earlier samples {self.keys}")
+            elif isinstance(score, dict):
+                self.keys = sorted(score)
+        if self.config.on_error == "zero":  # the share of failed samples, logged as the mean of this key
+            scores = [{**self._zeros(), "failed": 1.0} if isinstance(score, RewardError) else {**score, "failed": 0.0}
+                      for score in scores]
         if self.config.overlong_buffer:  # DAPO: added to the reward, and logged on its own
             for inp, score in zip(inputs, scores):
                 penalty = self.config.overlong_penalty_factor * overlong_penalty(
@@ -209,19 +228,101 @@ class RewardFunction:
                 score["overlong_penalty"] = penalty
         return scores
 
-    def _check(self, index: int, inp: RewardInput, result: Any) -> dict[str, float]:
+    def _call(self, argument, index: int, inp: RewardInput, where: str = ""):
+        """fn(argument, **kwargs) within the time limit, or the failure as a RewardError (returned, not raised)."""
+        try:
+            with self.deadline(self.config.timeout) if self.deadline else nullcontext():
+                return self.fn(argument, **self.kwargs)
+        except RewardTimeout:
+            return self._failed(index, inp, f"ran past --reward.timeout {self.config.timeout:g}s", where)
+        except SystemExit as exc:
+            return self._failed(index, inp, f"called sys.exit({exc.code!r})", where)
+        except Exception as exc:
+            return self._failed(index, inp, f"raised {exc!r}", where, exc)
+
+    def _check(self, index: int, inp: RewardInput, result: Any) -> dict[str, float] | RewardError:
+        if isinstance(result, RewardError):
+            return result
         if not isinstance(result, Mapping) or "overall" not in result:
-            raise self._error(index, inp, f"returned {result!r:.80}, expected a dict with an 'overall' key")
+            return self._failed(index, inp, f"returned {result!r:.80}, expected a dict with an 'overall' key")
         for key, value in result.items():
             if not isinstance(value, Real) or not isfinite(value):
-                raise self._error(index, inp, f"returned {key}={value!r:.80}, expected a finite number")
+                return self._failed(index, inp, f"returned {key}={value!r:.80}, expected a finite number")
+            if abs(value) > FLOAT32_MAX:
+                return self._failed(index, inp, f"returned {key}={value!r:.80}, beyond float32's range, in which the "
+                                    "trainer computes advantages")
         return {key: float(value) for key, value in result.items()}
 
-    def _error(self, index: int, inp: RewardInput, problem: str) -> RewardError:
-        return RewardError(
-            f"reward {self.name!r} {problem} on sample {index} "
-            f"(response={inp['response']!r:.80}, ground_truth={inp['ground_truth']!r:.80})"
-        )
+    def _failed(self, index: int, inp: RewardInput, problem: str, where: str = "", cause=None) -> RewardError:
+        """The failure of sample `index`: raised (--reward.on-error raise) or returned, reported the first time."""
+        error = RewardError(f"reward {self.name!r} {problem} {where or f'on sample {index}'} "
+                            f"(response={inp['response']!r:.80}, ground_truth={inp['ground_truth']!r:.80})")
+        if self.config.on_error == "raise":
+            raise error from cause
+        self.report(f"warning: {error}; scored 0 (--reward.on-error zero), counted in the reward's `failed` key "
+                    "from now on without a message")
+        self.report = lambda message: None
+        return error
+
+    def _zeros(self) -> dict[str, float]:
+        return dict.fromkeys(self.keys or ["overall"], 0.0)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+class RewardTimeout(BaseException):
+    """Raised inside a reward call that runs past its deadline. Not an Exception, so that a reward's own
+    `except Exception:` cannot swallow it."""
+
+
+class Deadline:
+    """`with deadline(seconds): call()` raises RewardTimeout inside the call once it has run `seconds`.
+
+    One watchdog thread, started once, sends the main thread a signal at the deadline: a signal interrupts a
+    sleep or a blocking socket read as well as a loop in Python (code stuck in C that holds the GIL is out of
+    reach). A real-time signal, because math_verify's own time limits use SIGALRM and torchrun forwards SIGUSR1/2.
+    Signals reach the main thread only: outside it, calls run without a time limit. A deadline costs two lock
+    round trips, where a timer thread per call would cost ~160 us, a noticeable share of a per-sample reward.
+    """
+
+    SIGNAL = signal.SIGRTMIN + 1
+
+    def __init__(self):
+        self.condition = threading.Condition()
+        self.due: float | None = None  # when the running call's time is up
+        self.calls = self.call = self.expired = 0  # calls started, the running one (0: none), the last that ran out
+        signal.signal(self.SIGNAL, self._expire)  # raises ValueError outside the main thread
+        threading.Thread(target=self._watch, daemon=True, name="reward-deadline").start()
+
+    @contextmanager
+    def __call__(self, seconds: float):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        with self.condition:
+            self.calls += 1
+            self.call, self.due = self.calls, time.monotonic() + seconds
+            self.condition.notify()
+        try:
+            yield
+        finally:
+            with self.condition:
+                self.call, self.due = 0, None
+
+    def _watch(self) -> None:
+        with self.condition:
+            while True:
+                left = None if self.due is None else self.due - time.monotonic()
+                if left is None or left > 0:
+                    self.condition.wait(left)
+                    continue
+                self.expired, self.due = self.call, None
+                signal.pthread_kill(threading.main_thread().ident, self.SIGNAL)
+
+    def _expire(self, signum, frame) -> None:
+        if self.call and self.call == self.expired:  # a late signal for a call that has returned is ignored
+            raise RewardTimeout
 
 
 def _load(spec: str) -> Callable[..., Any]:

@@ -51,6 +51,8 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
+from checkpoints import readable_like_other_files
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>",
                   "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = (  # Qwen's: content is text, or a list of {"type": "text", "text": ...} and {"type": "image"} parts
@@ -170,6 +172,7 @@ def resolve_model(model_path: str, output_dir: str) -> str:
     path = Path(output_dir) / "models" / f"tiny-{model_path.removeprefix('tiny:')}"
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (path / "config.json").exists():
         tmp = build_tiny_model(model_path.removeprefix("tiny:"), path.with_name(f"{path.name}.tmp-{os.getpid()}"))
+        readable_like_other_files(tmp)
         try:
             tmp.rename(path)
         except OSError:  # another node's copy got there first (shared filesystem)

@@ -253,7 +253,7 @@ def step_breakdown(args, engine: str) -> dict:
                         "grpo.py", "--rollout.engine", engine, "--trainer.total-steps", str(args.steps), "--trainer.output-dir", tmp,
                         "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final"],
                        check=True, cwd=ROOT, capture_output=not args.verbose)
-        lines = [json.loads(line) for line in (Path(tmp) / "toy-grpo" / "metrics.jsonl").read_text().splitlines()]
+        lines = [json.loads(line) for line in (Path(tmp) / "tiny-qwen2_toy" / "metrics.jsonl").read_text().splitlines()]
     lines = lines[1:]  # the first step includes vLLM's one-off warm-up
     keys = [k for k in lines[0] if k.startswith("timing/")] + ["perf/tokens_per_s", "perf/peak_memory_gib"]
     return {k: sum(m[k] for m in lines) / len(lines) for k in keys}

@@ -202,7 +202,7 @@ def part_job(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         torchrun(["grpo.py", "--rollout.engine", "hf", "--trainer.total-steps", str(steps), "--trainer.output-dir", tmp,
                   "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final", *small], 1200)
-        metrics = [json.loads(line) for line in (Path(tmp) / "toy-grpo" / "metrics.jsonl").read_text().splitlines()]
+        metrics = [json.loads(line) for line in (Path(tmp) / "tiny-qwen2_toy" / "metrics.jsonl").read_text().splitlines()]
     return {"steps": len(metrics), "reward_first": metrics[0]["train/reward_overall"],
             "reward_last": metrics[-1]["train/reward_overall"],
             "engine_gap_max": max(m["rollout/logprob_diff_max"] for m in metrics),

@@ -18,14 +18,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = ROOT, extra: list[str] = ()):
-    """Run `torchrun --nproc_per_node nproc ARGS`; fail with the output tail if it does not exit 0."""
+def launch(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = ROOT, extra: list[str] = (),
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc_per_node nproc ARGS` as a user would and return what happened, exit code and output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *extra, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = ROOT, extra: list[str] = ()):
+    """Run `torchrun --nproc_per_node nproc ARGS`; fail with the output tail if it does not exit 0."""
+    proc = launch(args, nproc, timeout, cwd, extra)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
+    assert proc.returncode == 0, f"{' '.join(proc.args)} exited {proc.returncode}:\n{output[-6000:]}"
     return output
 
 

@@ -8,6 +8,7 @@ on a world of one.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,9 +89,10 @@ def test_the_console_shows_each_step_once_and_no_library_chatter(straight_and_re
     assert not [line for line in printed if "WARNING" in line or "Warning" in line], output
     assert "Failed to load weights" not in output and "it/s]" not in output  # vLLM's per-sync warnings, tqdm bars
     for message in ("data: 1024 training prompts", "validation before training", "step    1 |", "step    4 |",
-                    "saved ", "done: steps 1-4"):
-        assert sum(message in line for line in printed) == (2 if message == "saved " else 1), output
-    assert len(printed) <= 12, output
+                    "saved the trained model to", "done: steps 1-4"):
+        assert sum(message in line for line in printed) == 1, output
+    assert sum(line.startswith("saved ") and "/checkpoints/step_" in line for line in printed) == 2, output
+    assert len(printed) <= 13, output
 
 
 def test_resume_onto_one_rank_from_a_two_rank_checkpoint(straight_and_resumed):
@@ -98,9 +100,9 @@ def test_resume_onto_one_rank_from_a_two_rank_checkpoint(straight_and_resumed):
     tmp_path = straight_and_resumed[0]
     final = tmp_path / "resumed" / "final" / "model.safetensors"
     saved = load_file(final)
-    final.unlink()
-    output = run_job(tmp_path, "resumed", 4, *BF16_ADAMW, nproc=1)  # nothing left to train: the final save is the loaded model
-    assert "nothing to train" in output
+    shutil.rmtree(final.parent)  # a finished run without its final folder writes it, from the loaded checkpoint
+    output = run_job(tmp_path, "resumed", 4, *BF16_ADAMW, nproc=1)
+    assert "nothing to train" not in output and "saved the trained model to" in output
     loaded = load_file(final)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     run_job(tmp_path, "resumed", 5, *BF16_ADAMW, nproc=1)
@@ -117,7 +119,7 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
            "--trainer.save-freq", "1", "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST]
     job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
-    folder = tmp_path / "toy-grpo" / "checkpoints"
+    folder = tmp_path / "tiny-qwen2_toy" / "checkpoints"
     deadline = time.monotonic() + 300
     try:
         while not list(folder.glob("step_00000[3-5].tmp")):  # poll fast: a save of the tiny model is short
@@ -130,14 +132,14 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
         job.kill()
         job.wait()
     unfinished = sorted(p.name for p in folder.glob("step_*.tmp"))
-    complete = [p.name for p in checkpoints.complete_checkpoints(tmp_path / "toy-grpo")]
+    complete = [p.name for p in checkpoints.complete_checkpoints(tmp_path / "tiny-qwen2_toy")]
     assert unfinished, "the kill landed after the save had committed: the test did not test a crash mid-save"
     latest = int(complete[-1].split("_")[1])
 
     output = torchrun(cmd[cmd.index("grpo.py"):])
     assert f"resumed from {folder / complete[-1]}" in output, output
     assert not list(folder.glob("*.tmp"))
-    steps = [m["step"] for m in lines(tmp_path / "toy-grpo" / "metrics.jsonl")]
+    steps = [m["step"] for m in lines(tmp_path / "tiny-qwen2_toy" / "metrics.jsonl")]
     assert steps == list(range(1, 6)), f"resumed after step {latest}: {steps}"
 
 
@@ -157,8 +159,11 @@ def train_step(model, optimizer):
     optimizer.zero_grad()
 
 
-def save(run_dir, step, model, optimizer, score, limit=0, model_only=False):
-    return checkpoints.save_checkpoint(run_dir, step, model, optimizer, {"score": score}, model_only=model_only,
+JOB = {"model": "tiny:qwen2", "data": "toy"}
+
+
+def save(run_dir, step, model, optimizer, score, limit=0, model_only=False, job=JOB):
+    return checkpoints.save_checkpoint(run_dir, step, model, optimizer, {"score": score, **job}, model_only=model_only,
                                        save_limit=limit, best_metric="val/reward_overall")
 
 
@@ -169,8 +174,8 @@ def test_save_limit_keeps_the_newest_and_the_best(world_of_one, tmp_path):
     assert [p.name for p in checkpoints.complete_checkpoints(tmp_path)] == ["step_000002", "step_000004", "step_000005"]
     tracker = json.loads((tmp_path / "checkpoints" / "tracker.json").read_text())
     assert tracker["latest"] == 5 and tracker["best"] == 2 and tracker["scores"] == {"2": 0.9, "4": 0.5, "5": None}
-    assert checkpoints.find_resume_point(tmp_path, "auto").name == "step_000005"
-    assert checkpoints.find_resume_point(tmp_path, "best").name == "step_000002"
+    assert checkpoints.find_resume_point(tmp_path, "auto", JOB).name == "step_000005"
+    assert checkpoints.find_resume_point(tmp_path, "best", JOB).name == "step_000002"
 
 
 def test_a_checkpoint_restores_weights_optimizer_and_rng(world_of_one, tmp_path):
@@ -213,30 +218,45 @@ def test_an_unfinished_save_is_ignored_and_removed(world_of_one, tmp_path):
     save(tmp_path, 1, model, optimizer, None)
     crashed = checkpoints.step_folder(tmp_path, 2).with_name("step_000002.tmp")
     (crashed / "model_optimizer").mkdir(parents=True)  # what a crash mid-save leaves
-    assert checkpoints.find_resume_point(tmp_path, "auto").name == "step_000001"
+    assert checkpoints.find_resume_point(tmp_path, "auto", JOB).name == "step_000001"
     checkpoints.remove_unfinished(tmp_path)
     assert not crashed.exists()
 
 
 def test_a_used_run_folder_is_never_mixed_with_another_run(world_of_one, tmp_path):
-    assert checkpoints.find_resume_point(tmp_path / "new", "auto") is None  # a fresh folder: a fresh run
+    assert checkpoints.find_resume_point(tmp_path / "new", "auto", JOB) is None  # a fresh folder: a fresh run
     (tmp_path / "crashed-early").mkdir()
     (tmp_path / "crashed-early" / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(SystemExit, match="holds another run's files .* no complete checkpoint"):
-        checkpoints.find_resume_point(tmp_path / "crashed-early", "auto")
+        checkpoints.find_resume_point(tmp_path / "crashed-early", "auto", JOB)
     model, optimizer = tiny_model()
     for step, score in ((1, 0.9), (2, 0.1)):
         save(tmp_path / "done", step, model, optimizer, score)
     with pytest.raises(SystemExit, match="--trainer.resume never"):
-        checkpoints.find_resume_point(tmp_path / "done", "never")
+        checkpoints.find_resume_point(tmp_path / "done", "never", JOB)
     start = checkpoints.step_folder(tmp_path / "done", 1)
-    assert checkpoints.find_resume_point(tmp_path / "fork", str(start)) == start  # a fork into a new folder
+    assert checkpoints.find_resume_point(tmp_path / "fork", str(start), JOB) == start  # a fork into a new folder
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(SystemExit, match=r"holds another run: continue from .* \(--trainer.experiment-name NEW"):
-        checkpoints.find_resume_point(tmp_path / "other", str(start))
+        checkpoints.find_resume_point(tmp_path / "other", str(start), JOB)
     with pytest.raises(SystemExit, match="not a complete checkpoint folder"):
-        checkpoints.find_resume_point(tmp_path / "fork", str(tmp_path / "nowhere"))
+        checkpoints.find_resume_point(tmp_path / "fork", str(tmp_path / "nowhere"), JOB)
+
+
+def test_a_checkpoint_of_another_model_or_dataset_is_refused(world_of_one, tmp_path):
+    model, optimizer = tiny_model()
+    save(tmp_path, 1, model, optimizer, None)
+    for other in ({"model": "tiny:llama", "data": "toy"}, {"model": "tiny:qwen2", "data": "mine.jsonl"}):
+        with pytest.raises(SystemExit, match=f"a checkpoint of model tiny:qwen2 on data toy, but this launch trains model "
+                                             f"{other['model']} on data {other['data']}"):
+            checkpoints.find_resume_point(tmp_path, "auto", other)
+    # a checkpoint saved before they were recorded: its run's config.json says what it trained
+    save(tmp_path / "old", 1, model, optimizer, None, job={})
+    (tmp_path / "old" / "config.json").write_text(json.dumps({"actor": {"model_path": "tiny:qwen3"},
+                                                              "data": {"train_files": "toy"}}))
+    with pytest.raises(SystemExit, match="a checkpoint of model tiny:qwen3 on data toy"):
+        checkpoints.find_resume_point(tmp_path / "old", "auto", JOB)
 
 
 def test_resuming_an_earlier_checkpoint_rewinds_the_run(world_of_one, tmp_path):
@@ -245,7 +265,7 @@ def test_resuming_an_earlier_checkpoint_rewinds_the_run(world_of_one, tmp_path):
     model, optimizer = tiny_model()
     for step, score in ((1, 0.9), (2, 0.1), (3, None)):
         save(tmp_path, step, model, optimizer, score)
-    start = checkpoints.find_resume_point(tmp_path, "best")
+    start = checkpoints.find_resume_point(tmp_path, "best", JOB)
     assert start.name == "step_000001"
     said = []
     checkpoints.prepare_run_folder(tmp_path, {"trainer": {"lr": 2}}, start, said.append)
@@ -253,7 +273,7 @@ def test_resuming_an_earlier_checkpoint_rewinds_the_run(world_of_one, tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("discarded-*/step_*")) == ["step_000002", "step_000003"]
     assert "rewound to step_000001" in said[0]
     assert json.loads((tmp_path / "checkpoints" / "tracker.json").read_text())["latest"] == 1
-    assert checkpoints.find_resume_point(tmp_path, "auto") == start
+    assert checkpoints.find_resume_point(tmp_path, "auto", JOB) == start
 
 
 def test_changed_settings_lists_each_changed_flag():

@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 from transformers import AutoProcessor
 
-from data import DataConfig, PromptDataset, PromptLoader, load_rows, resize_image, resized_size, shard, toy_rows
+from data import (DataConfig, PromptDataset, PromptLoader, load_rows, resize_image, resized_size, shard, toy_rows,
+                  validation_files)
 from tiny import build_tiny_model, build_tokenizer
 
 MATH_SUFFIX = (" You first think about the reasoning process as an internal monologue and then provide the final"
@@ -109,6 +110,37 @@ def test_folder_and_splits(tmp_path):
     with pytest.raises(ValueError, match="validation") as error:
         load_rows(f"{folder}@validation")
     assert str(folder) in str(error.value)
+
+
+def test_validation_comes_from_the_training_data_or_nowhere(tmp_path):
+    folder, lone = tmp_path / "math", tmp_path / "lone"
+    folder.mkdir(), lone.mkdir()
+    for name in ("train.jsonl", "test.jsonl"):
+        write_jsonl(folder / name, ROWS)
+    write_jsonl(lone / "train.jsonl", ROWS)
+    assert validation_files("toy", "auto")[0] == "toy@test"
+    assert validation_files("toy_vision@train", "auto")[0] == "toy_vision@test"
+    assert validation_files(str(folder), "auto") == (f"{folder}@test", f"validation: {folder}@test, the test split of "
+                                                     "the training data")
+    assert validation_files(str(lone), "auto") == ("", f"no validation: {lone} has no test or validation split to hold "
+                                                   "out (--data.val-files to give one)")
+    assert validation_files(str(lone / "train.jsonl"), "auto")[1].endswith("is a single file, which has no test split "
+                                                                           "(--data.val-files to give one)")
+    assert validation_files("toy", "") == ("", "no validation (--data.val-files is empty)")
+    assert validation_files("toy", "mine.jsonl") == ("mine.jsonl", "validation: mine.jsonl")
+
+
+def test_file_faults_are_named_with_where_they_are(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"question": "ok", "answer": "1"}\n{"question": "\xff", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl is not UTF-8 text: byte 0xff at offset 48 \(line 2\)"):
+        load_rows(str(bad))
+    bad.write_text('{"question": "ok", "answer": "1"}\n\n{"question": oops}\n')
+    with pytest.raises(ValueError, match="bad.jsonl, line 3: not JSON"):
+        load_rows(str(bad))
+    bad.write_text(" \n")
+    with pytest.raises(ValueError, match="bad.jsonl is empty"):
+        load_rows(str(bad))
 
 
 def test_a_single_file_is_its_split(tmp_path):
@@ -251,7 +283,7 @@ def test_corrupt_parquet(tmp_path):
 
 def test_unreachable_hub_dataset(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # what an offline machine sees, without the retries
-    with pytest.raises(RuntimeError, match="'someone/math12k'.*offline.*local file"):
+    with pytest.raises(ValueError, match="'someone/math12k'.*offline.*local file"):
         load_rows("someone/math12k@test")
 
 

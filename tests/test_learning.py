@@ -21,8 +21,7 @@ def test_default_job_learns_the_builtin_task(tmp_path, preset, steps):
     time); its samples and log-probs are tested in test_rollout.py."""
     output = torchrun(["grpo.py", preset, "--trainer.output-dir", str(tmp_path), "--trainer.total-steps", str(steps)],
                       timeout=1200)
-    run = "toy-grpo-lora" if preset == "toy_lora" else "toy-grpo"
-    lines = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / preset / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == 0 and "val/reward_overall" in lines[0]  # validation before training
     metrics = lines[1:]
     rewards = [m["train/reward_overall"] for m in metrics]
@@ -39,7 +38,7 @@ def test_a_tiny_vlm_learns_the_builtin_visual_task(tmp_path):
     through vLLM and FSDP2: 80 of the preset's 100 steps (measured: 0.007 at step 1, 0.94 over steps 76-80)."""
     torchrun(["grpo.py", "toy_vision", "--trainer.output-dir", str(tmp_path), "--trainer.total-steps", "80"],
              timeout=1200)
-    lines = [json.loads(line) for line in (tmp_path / "toy-grpo" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "toy_vision" / "metrics.jsonl").read_text().splitlines()]
     metrics = [m for m in lines if m["step"] > 0]
     rewards = [m["train/reward_overall"] for m in metrics]
     assert rewards[0] < 0.1, f"a random model should start near chance, got {rewards[0]}"
@@ -54,7 +53,7 @@ def test_rloo_and_dapo_raise_the_accuracy(tmp_path, preset, steps):
     KL and climbs later)."""
     torchrun(["grpo.py", preset, "--trainer.total-steps", str(steps), "--trainer.output-dir", str(tmp_path),
               "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final"], timeout=1200)
-    metrics = [json.loads(line) for line in (tmp_path / "toy-grpo" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (tmp_path / preset / "metrics.jsonl").read_text().splitlines()]
     accuracy = [m["train/reward_accuracy"] for m in metrics]
     first, last = sum(accuracy[:5]) / 5, sum(accuracy[-5:]) / 5
     assert last >= first + 0.15, f"{preset}: accuracy {first:.3f} (first 5 steps) -> {last:.3f} (last 5)"

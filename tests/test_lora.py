@@ -170,7 +170,7 @@ def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_lo
                        "--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
                        "--actor.micro-batch-size", "8", "--trainer.save-freq", "2"])
     assert "LoRA rank 8:" in output and "the reference is the base (adapters off)" in output
-    run = tmp_path / "toy-grpo"
+    run = tmp_path / "tiny-qwen2_toy"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics)
     assert metrics[1]["actor/kl_ref"] > 0  # the adapted policy moved away from the base

@@ -1,6 +1,7 @@
 """Rewards: built-ins on hand-written responses (expected numbers computed by hand), user reward files
 loaded by path with kwargs, and every malformed result caught with a message naming the culprit."""
 
+import re
 import threading
 
 import pytest
@@ -268,3 +269,65 @@ def test_overlong_shaping_is_added_to_overall_and_logged():
 def test_overlong_buffer_must_fit_the_response_length():
     with pytest.raises(RewardError, match="--reward.overlong-buffer 8"):
         RewardFunction(RewardConfig("toy", overlong_buffer=8), max_response_length=4)
+
+
+# ----- time limits and --reward.on-error ---------------------------------------------------------------
+
+MISBEHAVING = """import sys, time
+
+
+def score(inp):
+    if inp["ground_truth"] == "sleeps":
+        try:
+            time.sleep(3600)
+        except Exception:  # a reward's own blanket except cannot swallow the time limit
+            pass
+    if inp["ground_truth"] == "loops":
+        while True:
+            pass
+    if inp["ground_truth"] == "exits":
+        sys.exit("bye")
+    return {"overall": 1.0, "accuracy": 1.0}
+"""
+
+
+@pytest.fixture
+def misbehaving(tmp_path):
+    path = tmp_path / "misbehaving.py"
+    path.write_text(MISBEHAVING)
+    return f"{path}:score"
+
+
+@pytest.mark.parametrize("ground_truth, problem", [("sleeps", "ran past --reward.timeout 0.3s"),
+                                                   ("loops", "ran past --reward.timeout 0.3s"),
+                                                   ("exits", "called sys.exit('bye')")])
+def test_a_call_that_hangs_or_exits_is_a_reward_error_naming_the_sample(misbehaving, ground_truth, problem):
+    reward = RewardFunction(RewardConfig(misbehaving, timeout=0.3))
+    with pytest.raises(RewardError, match=rf"{re.escape(problem)} on sample 1 .*ground_truth='{ground_truth}'"):
+        reward([sample("a"), sample("b", ground_truth)])
+    assert reward([sample("a")]) == [{"overall": 1.0, "accuracy": 1.0}]  # a later call has its own full time
+
+
+def test_on_error_zero_scores_a_failure_zero_on_every_key_reports_it_once_and_counts_it(misbehaving):
+    reports = []
+    reward = RewardFunction(RewardConfig(misbehaving, timeout=0.3, on_error="zero"), report=reports.append)
+    scores = reward([sample("a"), sample("b", "sleeps"), sample("c", "exits"), sample("d")])
+    assert scores == [{"overall": 1.0, "accuracy": 1.0, "failed": 0.0}, {"overall": 0.0, "accuracy": 0.0, "failed": 1.0},
+                      {"overall": 0.0, "accuracy": 0.0, "failed": 1.0}, {"overall": 1.0, "accuracy": 1.0, "failed": 0.0}]
+    assert len(reports) == 1 and "ran past --reward.timeout 0.3s on sample 1" in reports[0]
+
+
+def test_results_beyond_float32_are_refused():
+    reward = RewardFunction(RewardConfig("toy"))
+    assert reward._check(0, sample("7"), {"overall": 3e38}) == {"overall": 3e38}
+    with pytest.raises(RewardError, match="overall=1e\\+300, beyond float32's range"):
+        reward._check(0, sample("7"), {"overall": 1e300})
+
+
+def test_outside_the_main_thread_a_reward_runs_without_a_time_limit(misbehaving):
+    results = []
+    thread = threading.Thread(target=lambda: results.append(
+        RewardFunction(RewardConfig(misbehaving, timeout=0.3))([sample("a")])))
+    thread.start()
+    thread.join()
+    assert results == [[{"overall": 1.0, "accuracy": 1.0}]]

@@ -100,13 +100,14 @@ def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, ar
               "--data.val-files", "", "--data.image-dir", str(tmp_path), "--data.no-shuffle", "--trainer.total-steps", "2",
               "--trainer.output-dir", str(tmp_path), "--trainer.dist-timeout-minutes", "2", *FAST, *freeze, *r1v],
              timeout=300)
-    metrics = read_metrics(tmp_path / "toy-grpo")
+    run = tmp_path / f"tiny-{architecture}_mixed"  # no preset: the run is named after the model and the data
+    metrics = read_metrics(run)
     assert len(metrics) == 2 and ("train/reward_format" in metrics[0]) == bool(r1v)
     for m in metrics:
         assert all(math.isfinite(v) for v in m.values()), m
         assert m["rollout/logprob_diff_max"] < 1e-3, "the trainer and vLLM disagree on image samples"
     # the trained model is a Hugging Face folder with its processor; a frozen vision tower kept its weights
-    final = tmp_path / "toy-grpo" / "final"
+    final = run / "final"
     assert AutoProcessor.from_pretrained(final).image_processor.merge_size == 2
     initial = AutoModelForImageTextToText.from_pretrained(tmp_path / "models" / f"tiny-{architecture}").state_dict()
     trained = AutoModelForImageTextToText.from_pretrained(final).state_dict()
@@ -121,7 +122,7 @@ def test_tensor_parallel_rollout(tmp_path):
     torchrun(["grpo.py", "--rollout.tensor-parallel-size", "2", "--trainer.total-steps", "2",
               "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0", "--trainer.no-val-before-train",
               "--trainer.no-save-final", *FAST])
-    metrics = read_metrics(tmp_path / "toy-grpo")
+    metrics = read_metrics(tmp_path / "tiny-qwen2_toy")
     assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics)
 
 
@@ -142,16 +143,16 @@ def test_multi_node_on_loopback_without_a_shared_folder(tmp_path):
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output[-4000:]
-    assert len(read_metrics(folders[0] / "runs" / "toy-grpo")) == 2
+    assert len(read_metrics(folders[0] / "runs" / "tiny-qwen2_toy")) == 2
     assert (folders[1] / "runs" / "models" / "tiny-qwen2" / "model.safetensors").exists()
-    assert not (folders[1] / "runs" / "toy-grpo" / "metrics.jsonl").exists()  # only global rank 0 logs
+    assert not (folders[1] / "runs" / "tiny-qwen2_toy" / "metrics.jsonl").exists()  # only global rank 0 logs
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--rollout.n", "1"], "--rollout.n 1: grpo compares responses within a group"),
     (["--algorithm.use-kl-in-reward"], "pick one place for the KL"),
     (["--trainer.rollout-batch-size", "30", "--trainer.global-batch-size", "8"], "--trainer.rollout-batch-size 30 must be a multiple"),
-    (["--actor.micro-batch-size", "3"], "--actor.micro-batch-size 3 must divide"),
+    (["--trainer.total-steps", "0"], "--trainer.total-steps 0 must be at least 1"),  # would write an untrained final/
     (["--actor.max-tokens-per-micro-batch", "100"], "must hold the longest sequence"),
     (["--rollout.engine", "hf", "--actor.offload-while-generating"], "the hf engine generates with the actor itself"),
 ])
@@ -182,7 +183,7 @@ def test_hub_presets_parse_and_fit_eight_gpus(preset):
     """The presets that mirror the reference's examples need the hub to run; here their flags are checked."""
     cfg = grpo.parse_config([preset])
     grpo.check_config(cfg, world_size=8)
-    assert cfg.trainer.experiment_name != "toy-grpo" and cfg.data.train_files != "toy"
+    assert cfg.trainer.experiment_name == preset and cfg.data.train_files != "toy"  # each preset its own run folder
 
 
 @pytest.mark.parametrize("preset", PRESETS)

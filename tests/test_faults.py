@@ -1,0 +1,423 @@
+"""Nothing a user does loses data or ends in a raw traceback: each fault a new user meets, through the real
+entry point, ends in one `error:` line naming the flag, file, row or sample (or in the documented behaviour),
+with every file that existed before still there, byte for byte.
+
+Ranks matter where a fault is found during training (a reward, a full disk, Ctrl-C, a resume): those run under
+`torchrun --nproc_per_node 2`; faults found at start-up by every rank alike run as one process (`python grpo.py`),
+which is what a start-up check sees on any number of ranks. Training runs use the hf engine: no vLLM warm-up.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import huggingface_hub
+import pandas as pd
+import pytest
+from PIL import Image
+
+import grpo
+import merge
+from conftest import ROOT, free_port, launch
+from fsdp_utils import check_model_source
+from test_console import our_tracebacks
+from tiny import build_tiny_model
+
+SMALL = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
+         "--rollout.engine", "hf", "--trainer.no-val-before-train"]  # no --actor.micro-batch-size: derived
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, by relative path, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def assert_kept(before: dict[str, bytes], folder: Path) -> None:
+    after = snapshot(folder)
+    lost = [name for name in before if after.get(name) != before[name]]
+    assert not lost, f"changed or deleted: {lost}"
+
+
+def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """The single `error:` line of a failed launch (torchrun repeats it in its banner as "message"), which must hold
+    every fragment; no traceback of this project's files."""
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output[-6000:]
+    assert all(fragment in errors[0] for fragment in fragments), errors[0]
+    assert not our_tracebacks(output), output[-6000:]
+    return errors[0]
+
+
+def grpo_alone(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python grpo.py ARGS`: one process, a world of one."""
+    return subprocess.run([sys.executable, str(ROOT / "grpo.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "MASTER_PORT": str(free_port()), **(env or {})})
+
+
+def questions(folder: Path, count: int = 16) -> Path:
+    """A user's own dataset: a JSON Lines file of the built-in task's rows under another name."""
+    path = folder / "questions.jsonl"
+    path.write_text("".join(json.dumps({"problem": f"{i % 10}" * 4 + "123", "answer": str(i % 10)}) + "\n"
+                            for i in range(count)))
+    return path
+
+
+# ---------------------------------------------------------------- a run on the user's own data, and what follows
+
+
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory):
+    """Two steps on a user's JSON Lines file, no preset, no experiment name, no micro-batch size (the per-rank
+    mini-batch of 16 sequences is smaller than the default 64): a checkpoint at step 2 and the final folder."""
+    folder = tmp_path_factory.mktemp("user")
+    data = questions(folder)
+    args = ["grpo.py", "--data.train-files", str(data), "--trainer.output-dir", str(folder / "runs"),
+            "--trainer.total-steps", "2", "--trainer.save-freq", "2", *SMALL]
+    proc = launch(args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return folder, args, proc.stdout + proc.stderr
+
+
+def test_a_run_on_user_data_has_its_own_folder_and_no_borrowed_validation(user_run):
+    folder, _, output = user_run
+    run = folder / "runs" / "tiny-qwen2_questions"  # <model>_<data> without a preset
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert not any(key.startswith("val/") for m in metrics for key in m)  # not the built-in task's score
+    assert output.count("no validation:") == 1 and "questions.jsonl is a single file" in output
+    assert output.count(f"saved the trained model to {run / 'final'}") == 1
+    assert (run / "final" / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable like the other files
+
+
+def test_launching_a_finished_run_again_changes_nothing(user_run):
+    folder, args, _ = user_run
+    before = snapshot(folder)
+    proc = launch(args)
+    assert proc.returncode == 0 and "nothing to train" in proc.stdout
+    assert snapshot(folder) == before  # config.json included: a launch that trains nothing records nothing
+
+
+def test_another_model_is_refused_in_a_run_folder_naming_both(user_run):
+    folder, args, _ = user_run
+    before = snapshot(folder)
+    proc = launch([*args, "--actor.model-path", "tiny:llama", "--trainer.experiment-name", "tiny-qwen2_questions",
+                   "--trainer.total-steps", "3"])
+    one_error_line(proc, "a checkpoint of model tiny:qwen2 on data", "trains model tiny:llama on data",
+                   "choose another --trainer.experiment-name")
+    assert_kept(before, folder)
+
+
+def test_the_merger_never_writes_over_files_it_did_not_write(user_run, tmp_path):
+    run = user_run[0] / "runs" / "tiny-qwen2_questions"
+    before = snapshot(run)
+    proc = subprocess.run([sys.executable, "-m", "merge", str(run), str(run)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # OUT = the run folder: its checkpoints and metrics stay
+    assert proc.returncode == 1 and proc.stderr.count("error: ") == 1 and not our_tracebacks(proc.stderr)
+    assert "holds files this program did not write" in proc.stderr
+    assert_kept(before, run)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("my notes")
+    for out in (tmp_path / "mine", tmp_path):  # a folder of the user's, and one that holds it
+        with pytest.raises(SystemExit, match="holds files this program did not write"):
+            merge.main([str(run), str(out), "--overwrite"])
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "my notes"
+
+
+def test_the_merger_replaces_its_own_output_only_when_asked(user_run, tmp_path):
+    run, out = user_run[0] / "runs" / "tiny-qwen2_questions", tmp_path / "merged"
+
+    def merge_into(*flags):
+        return subprocess.run([sys.executable, "-m", "merge", str(run), str(out), *flags], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(free_port())})
+
+    first = merge_into()
+    assert first.returncode == 0, first.stderr
+    assert "it/s]" not in first.stdout + first.stderr  # no library progress bars
+    assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044
+    written = snapshot(out)
+    with pytest.raises(SystemExit, match="holds an earlier model written by this program: pass --overwrite"):
+        merge.main([str(run), str(out)])
+    assert merge_into("--overwrite").returncode == 0
+    assert snapshot(out) == written  # the same checkpoint, merged again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no temporary folder left beside it
+
+
+# ---------------------------------------------------------------- rewards that hang, exit or overflow
+
+
+# rank 1's third reward call misbehaves: one rank meets it while the other waits in a collective
+MISBEHAVING_REWARD = """import os, sys, time
+
+calls = []
+
+
+def score(inp):
+    calls.append(inp)
+    if os.environ["RANK"] == "1" and len(calls) == 3:
+        {body}
+    return {{"overall": 1.0}}
+"""
+
+
+@pytest.mark.parametrize("body, message", [
+    ("time.sleep(3600)", "ran past --reward.timeout 2s on sample 2"),
+    ("sys.exit(3)", "called sys.exit(3) on sample 2"),
+    ("return {'overall': 1e300}", "returned overall=1e+300, beyond float32's range"),
+])
+def test_a_reward_that_hangs_exits_or_overflows_ends_the_run_with_one_line(tmp_path, body, message):
+    reward = tmp_path / "rewards.py"
+    reward.write_text(MISBEHAVING_REWARD.format(body=body))
+    start = time.monotonic()
+    proc = launch(["grpo.py", "--reward.function", f"{reward}:score", "--reward.timeout", "2",
+                   "--trainer.output-dir", str(tmp_path), "--trainer.total-steps", "1", *SMALL], timeout=300)
+    one_error_line(proc, f"reward '{reward}:score'", message, "ground_truth=")
+    assert time.monotonic() - start < 120  # not the collective timeout
+
+
+def test_a_reward_that_hangs_can_be_scored_zero_and_counted(tmp_path):
+    reward = tmp_path / "rewards.py"
+    reward.write_text(MISBEHAVING_REWARD.format(body="time.sleep(3600)"))
+    proc = launch(["grpo.py", "--reward.function", f"{reward}:score", "--reward.timeout", "1", "--reward.on-error",
+                   "zero", "--trainer.output-dir", str(tmp_path), "--trainer.total-steps", "1", *SMALL], timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert output.count("warning: reward") == 1 and "scored 0 (--reward.on-error zero)" in output
+    metrics = json.loads((tmp_path / "tiny-qwen2_toy" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["train/reward_failed"] == 1 / 32  # one of the step's 8 x 4 samples, scored 0 on every key
+    assert metrics["train/reward_overall"] == 31 / 32
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+def in_small_filesystem(size: str, folder: Path, command: list[str], copy_to: Path) -> subprocess.CompletedProcess:
+    """Run `command` with a tmpfs of `size` mounted on `folder` (in a mount namespace of its own), then copy what
+    it left there to `copy_to` (the tmpfs goes with the namespace)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) to mount a small filesystem")
+    script = (f'mount -t tmpfs -o size={size} tmpfs "$1" || exit 99; shift; cd "$1"; shift; '
+              f'"$@"; status=$?; cp -a "{folder}/." "{copy_to}/"; exit $status')
+    flags = ["-m"] if os.geteuid() == 0 else ["-r", "-m"]
+    proc = subprocess.run(["unshare", *flags, "sh", "-c", script, "sh", str(folder), str(ROOT), *command],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())})
+    if proc.returncode == 99 or "unshare failed" in proc.stderr:
+        pytest.skip(f"cannot mount a small filesystem here: {proc.stderr[-300:]}")
+    return proc
+
+
+def torchrun_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), *args]
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """The tiny model outside the small filesystem, so that only the run folder competes for its space."""
+    return build_tiny_model("qwen2", tmp_path_factory.mktemp("model") / "tiny")
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_earlier_one_and_resumes(tmp_path, model_folder):
+    """5 MiB: the step-1 checkpoint (~4 MiB: weights and AdamW moments) fits, the step-2 one does not."""
+    small, kept = tmp_path / "small", tmp_path / "kept"
+    small.mkdir(), kept.mkdir()
+    args = ["grpo.py", "--actor.model-path", str(model_folder), "--trainer.output-dir", str(small),
+            "--trainer.total-steps", "3", "--trainer.save-freq", "1", *SMALL]
+    proc = in_small_filesystem("5m", small, torchrun_command(args), kept)
+    one_error_line(proc, "no space left on device for checkpoint", "step_000002 (about ", "MiB)",
+                   "step_000001 is intact")
+    checkpoints = kept / "tiny_toy" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000001", "tracker.json"]  # nothing unfinished
+    resumed = launch([arg if arg != str(small) else str(kept) for arg in args])  # with room: from step 1
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {checkpoints / 'step_000001'}" in resumed.stdout
+
+
+def test_a_full_disk_at_the_final_save_leaves_nothing_half_written(tmp_path, model_folder):
+    small, kept = tmp_path / "small", tmp_path / "kept"
+    small.mkdir(), kept.mkdir()
+    args = ["grpo.py", "--actor.model-path", str(model_folder), "--trainer.output-dir", str(small),
+            "--trainer.total-steps", "1", "--trainer.save-freq", "0", *SMALL]
+    proc = in_small_filesystem("1m", small, torchrun_command(args), kept)
+    one_error_line(proc, "no space left on device for the run's final model folder", "(about 1.2 MiB)",
+                   "nothing was written there")
+    assert sorted(p.name for p in (kept / "tiny_toy").iterdir()) == ["config.json", "generations.jsonl", "metrics.jsonl"]
+
+
+# ---------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_stops_with_one_line_saying_what_resumes(tmp_path):
+    """SIGINT to the whole job, as a terminal's Ctrl-C sends it: one line from the workers, where the run stands and
+    what resumes it. torchrun's own traceback of its SignalException comes from torchrun, outside the workers."""
+    cmd = torchrun_command(["grpo.py", "--trainer.output-dir", str(tmp_path), "--trainer.total-steps", "200",
+                            "--trainer.save-freq", "2", *SMALL])
+    job = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    printed = []
+    for line in job.stdout:
+        printed.append(line)
+        if line.startswith("step    5 |"):
+            os.killpg(job.pid, signal.SIGINT)
+            break
+    output = "".join(printed) + job.communicate(timeout=120)[0]
+    assert job.returncode != 0
+    stops = [line for line in output.splitlines() if "stopped (Ctrl-C)" in line]
+    assert len(stops) == 1, output[-4000:]
+    assert "the same command resumes from its checkpoint step_00000" in stops[0]
+    assert not our_tracebacks(output), output[-4000:]
+
+
+# ---------------------------------------------------------------- start-up: model, flags, data
+
+
+def test_impossible_flags_are_named_before_anything_loads(tmp_path):
+    proc = grpo_alone(["--trainer.total-steps", "0", "--actor.lr", "-1", "--trainer.save-freq", "-1",
+                       "--rollout.max-response-length", "0", "--rollout.temperature", "0",
+                       "--trainer.output-dir", str(tmp_path)])
+    assert proc.returncode == 1 and proc.stderr.count("error: invalid configuration") == 1
+    for flag in ("--trainer.total-steps 0 must be at least 1", "--actor.lr -1.0 must be at least 0",
+                 "--trainer.save-freq -1", "--rollout.max-response-length 0", "--rollout.temperature 0.0 must be above 0"):
+        assert flag in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing written, no model built
+
+
+@pytest.mark.parametrize("model, message", [
+    ("/no/such/model", "no such folder, and not a hub id"),
+    ("EMPTY", "the folder has no config.json"),
+    ("someone/unreachable-model", "cannot be reached from this machine (ConnectError) nor is in its Hugging Face cache"),
+])
+def test_a_model_that_cannot_load_is_one_line(tmp_path, model, message):
+    if model == "EMPTY":
+        model = str(tmp_path)
+    # a hub that refuses at once: offline as this machine is, without depending on what CI's network allows
+    proc = grpo_alone(["--actor.model-path", model, "--trainer.output-dir", str(tmp_path / "runs")],
+                      env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")})
+    assert proc.stderr.startswith(f"error: --actor.model-path {model}: "), proc.stderr[-3000:]
+    assert message in proc.stderr and proc.returncode == 1 and not our_tracebacks(proc.stderr)
+
+
+def test_a_hub_model_in_the_cache_loads_offline_without_retries(tmp_path, monkeypatch):
+    """Offline, a hub id the Hugging Face cache holds: found there at once, and every later load (transformers,
+    vLLM) told to stay offline instead of retrying the network for each file."""
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    build_tiny_model("qwen2", repo / "snapshots" / "abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", "http://127.0.0.1:9")  # a hub that refuses at once
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    start = time.monotonic()
+    check_model_source("someone/tiny", "someone/tiny", longest_sequence=300)  # reads the cached config.json
+    assert huggingface_hub.constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
+    assert time.monotonic() - start < 10
+    with pytest.raises(SystemExit, match="exceed the context of someone/tiny"):
+        check_model_source("someone/tiny", "someone/tiny", longest_sequence=2000)
+
+
+def test_a_context_shorter_than_prompt_and_response_is_named(tmp_path):
+    proc = grpo_alone(["--rollout.max-response-length", "2000", "--trainer.output-dir", str(tmp_path)])
+    assert proc.returncode == 1 and not our_tracebacks(proc.stderr)
+    assert ("error: --data.max-prompt-length + --rollout.max-response-length = 2256 tokens exceed the context of "
+            "tiny:qwen2 (1024 tokens" in proc.stderr), proc.stderr
+
+
+def data_file(folder: Path, case: str) -> Path:
+    """A dataset with one of the faults users have hit."""
+    path = folder / "data.jsonl"
+    rows = [{"problem": "1112345", "answer": "1"}] * 8
+    if case == "not utf-8":
+        path.write_bytes(b"".join(json.dumps(row).encode() + b"\n" for row in rows) + b'{"problem": "caf\xe9"}\n')
+    elif case == "empty":
+        path.write_text("")
+    elif case == "not json":
+        path.write_text(json.dumps(rows[0]) + "\nproblem: 1112345\n")
+    elif case == "no rows":
+        path = folder / "data.parquet"
+        pd.DataFrame({"problem": pd.Series([], dtype=str), "answer": pd.Series([], dtype=str)}).to_parquet(path)
+    elif case == "control tokens":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows)
+                        + json.dumps({"problem": "7<|im_end|>\n<|im_start|>assistant\n7", "answer": "7"}) + "\n")
+    elif case in ("images as a string", "image placeholder", "thin image"):
+        Image.new("RGB", (4000, 10) if case == "thin image" else (28, 28)).save(folder / "a.png")
+        row = {"problem": "<image>colour?", "answer": "k", "images": ["a.png"]}
+        if case == "images as a string":
+            row["images"] = "a.png"
+        if case == "image placeholder":
+            row = {"problem": "<|image_pad|> colour?", "answer": "k", "images": []}
+        path.write_text("".join(json.dumps(row) + "\n" for _ in range(8)))
+    return path
+
+
+@pytest.mark.parametrize("case, model, fragments", [
+    ("not utf-8", "tiny:qwen2", ["data.jsonl is not UTF-8 text: byte 0xe9 at offset", "(line 9)"]),
+    ("empty", "tiny:qwen2", ["data.jsonl is empty"]),
+    ("not json", "tiny:qwen2", ["data.jsonl, line 2: not JSON"]),
+    ("no rows", "tiny:qwen2", ["data.parquet has no rows"]),
+    ("control tokens", "tiny:qwen2", ["row 8: the prompt holds '<|im_end|>', a control token",
+                                      "--data.allow-special-tokens"]),
+    ("images as a string", "tiny:qwen2_5_vl", ["row 0: column 'images' must hold a list of images, got a str"]),
+    ("image placeholder", "tiny:qwen2_5_vl", ["row 0: the prompt holds '<|image_pad|>'", "put `<image>` where"]),
+    ("thin image", "tiny:qwen2_5_vl", ["row 0, image 0 (file 'a.png')", "aspect ratio"]),
+])
+def test_a_faulty_dataset_is_one_line_naming_file_and_row(tmp_path, case, model, fragments):
+    path = data_file(tmp_path, case)
+    before = snapshot(tmp_path)
+    proc = grpo_alone(["--actor.model-path", model, "--data.train-files", str(path), "--data.image-dir", str(tmp_path),
+                       "--trainer.output-dir", str(tmp_path / "runs")])
+    assert proc.stderr.count("error: ") == 1 and proc.returncode == 1, proc.stderr[-3000:]
+    assert all(fragment in proc.stderr for fragment in fragments), proc.stderr[-3000:]
+    assert not our_tracebacks(proc.stderr)
+    assert_kept(before, tmp_path)
+
+
+def test_control_tokens_are_kept_when_the_dataset_means_them(tmp_path):
+    path = data_file(tmp_path, "control tokens")
+    proc = launch(["grpo.py", "--data.train-files", str(path), "--data.allow-special-tokens", "--trainer.total-steps",
+                   "1", "--trainer.output-dir", str(tmp_path / "runs"), *SMALL])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- names and help
+
+
+def test_each_preset_has_its_own_run_folder_and_ad_hoc_runs_are_named_after_model_and_data():
+    presets = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+    assert [grpo.parse_config([p]).trainer.experiment_name for p in presets] == presets
+    assert grpo.parse_config([]).trainer.experiment_name == "tiny-qwen2_toy"
+    assert grpo.parse_config(["--actor.model-path", "Qwen/Qwen2.5-7B-Instruct", "--data.train-files",
+                              "data/math12k.parquet"]).trainer.experiment_name == "Qwen2.5-7B-Instruct_math12k"
+    assert grpo.parse_config(["dapo", "--trainer.experiment-name", "mine"]).trainer.experiment_name == "mine"
+
+
+def test_help_lists_presets_tiny_models_and_algorithms(capsys):
+    with pytest.raises(SystemExit):
+        grpo.parse_config(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for name in ("toy_vision", "math_qwen2_5_7b_lora", "tiny:ARCH", "qwen2_5_vl", "reinforce_plus_plus", "cispo"):
+        assert name in shown, name
+    assert "ESTIMATORS below" not in shown and "LOSSES below" not in shown  # names shown, not pointed at
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["dapoo"], "unknown preset 'dapoo' (did you mean 'dapo'?)"),
+    (["--algorithm.adv-estimator", "grpoo"], "--algorithm.adv-estimator 'grpoo' (did you mean 'grpo'?)"),
+])
+def test_a_misspelt_name_gets_a_suggestion(argv, message):
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        grpo.check_config(grpo.parse_config(argv), world_size=1)
+
+
+def test_a_misspelt_preset_key_gets_a_suggestion(tmp_path):
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("actor:\n  lrr: 1.0e-6\n")
+    with pytest.raises(SystemExit, match=r"mine.yaml:actor: unknown key 'lrr' \(did you mean 'lr'\?\)"):
+        grpo.parse_config([str(preset)])
