@@ -220,7 +220,9 @@ def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> M
     """check_memory with a grpo.py run's settings (`cfg` is its Config), called at start-up on GPU."""
     return check_memory(AutoConfig.from_pretrained(model_path), world_size=world_size, gpu_bytes=gpu_bytes,
                         kl=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
-                        micro_batch_size=cfg.actor.micro_batch_size,
+                        # a micro-batch holds at most a rank's share of the rollout batch, whatever the flag says
+                        micro_batch_size=min(cfg.actor.micro_batch_size,
+                                             cfg.trainer.rollout_batch_size * cfg.rollout.n // world_size),
                         max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                         gradient_checkpointing=cfg.actor.gradient_checkpointing, engine=cfg.rollout.engine,
                         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,

@@ -197,25 +197,24 @@ def test_a_reward_that_hangs_can_be_scored_zero_and_counted(tmp_path):
 # ---------------------------------------------------------------- a full disk
 
 
-def in_small_filesystem(size: str, folder: Path, command: list[str], copy_to: Path) -> subprocess.CompletedProcess:
-    """Run `command` with a tmpfs of `size` mounted on `folder` (in a mount namespace of its own), then copy what
-    it left there to `copy_to` (the tmpfs goes with the namespace)."""
+def train_on_a_small_disk(tmp_path: Path, model_folder: Path, size: str, *flags: str):
+    """torchrun grpo.py with its run folder on a tmpfs of `size` (in a mount namespace of its own, so nothing here
+    needs mounting rights beyond that); what it left there is copied to tmp_path/kept, as the tmpfs goes with the
+    namespace. Returns the finished process, the kept output folder and the training arguments."""
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare (util-linux) to mount a small filesystem")
-    script = (f'mount -t tmpfs -o size={size} tmpfs "$1" || exit 99; shift; cd "$1"; shift; '
-              f'"$@"; status=$?; cp -a "{folder}/." "{copy_to}/"; exit $status')
-    flags = ["-m"] if os.geteuid() == 0 else ["-r", "-m"]
-    proc = subprocess.run(["unshare", *flags, "sh", "-c", script, "sh", str(folder), str(ROOT), *command],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())})
+    small, kept = tmp_path / "small", tmp_path / "kept"
+    small.mkdir(), kept.mkdir()
+    args = ["grpo.py", "--actor.model-path", str(model_folder), "--trainer.output-dir", str(small), *flags, *SMALL]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), *args]
+    script = (f'mount -t tmpfs -o size={size} tmpfs "{small}" || exit 99; cd "{ROOT}"; "$@"; status=$?; '
+              f'cp -a "{small}/." "{kept}/"; exit $status')
+    proc = subprocess.run(["unshare", *(["-m"] if os.geteuid() == 0 else ["-r", "-m"]), "sh", "-c", script, "sh",
+                           *command], capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode == 99 or "unshare failed" in proc.stderr:
         pytest.skip(f"cannot mount a small filesystem here: {proc.stderr[-300:]}")
-    return proc
-
-
-def torchrun_command(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), *args]
+    return proc, kept, [arg if arg != str(small) else str(kept) for arg in args]
 
 
 @pytest.fixture(scope="module")
@@ -226,26 +225,20 @@ def model_folder(tmp_path_factory):
 
 def test_a_full_disk_during_a_checkpoint_keeps_the_earlier_one_and_resumes(tmp_path, model_folder):
     """5 MiB: the step-1 checkpoint (~4 MiB: weights and AdamW moments) fits, the step-2 one does not."""
-    small, kept = tmp_path / "small", tmp_path / "kept"
-    small.mkdir(), kept.mkdir()
-    args = ["grpo.py", "--actor.model-path", str(model_folder), "--trainer.output-dir", str(small),
-            "--trainer.total-steps", "3", "--trainer.save-freq", "1", *SMALL]
-    proc = in_small_filesystem("5m", small, torchrun_command(args), kept)
+    proc, kept, args = train_on_a_small_disk(tmp_path, model_folder, "5m", "--trainer.total-steps", "3",
+                                             "--trainer.save-freq", "1")
     one_error_line(proc, "no space left on device for checkpoint", "step_000002 (about ", "MiB)",
                    "step_000001 is intact")
     checkpoints = kept / "tiny_toy" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000001", "tracker.json"]  # nothing unfinished
-    resumed = launch([arg if arg != str(small) else str(kept) for arg in args])  # with room: from step 1
+    resumed = launch(args)  # the same job with room, on the folder the full disk left
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {checkpoints / 'step_000001'}" in resumed.stdout
 
 
 def test_a_full_disk_at_the_final_save_leaves_nothing_half_written(tmp_path, model_folder):
-    small, kept = tmp_path / "small", tmp_path / "kept"
-    small.mkdir(), kept.mkdir()
-    args = ["grpo.py", "--actor.model-path", str(model_folder), "--trainer.output-dir", str(small),
-            "--trainer.total-steps", "1", "--trainer.save-freq", "0", *SMALL]
-    proc = in_small_filesystem("1m", small, torchrun_command(args), kept)
+    proc, kept, _ = train_on_a_small_disk(tmp_path, model_folder, "1m", "--trainer.total-steps", "1",
+                                          "--trainer.save-freq", "0")
     one_error_line(proc, "no space left on device for the run's final model folder", "(about 1.2 MiB)",
                    "nothing was written there")
     assert sorted(p.name for p in (kept / "tiny_toy").iterdir()) == ["config.json", "generations.jsonl", "metrics.jsonl"]
@@ -257,8 +250,9 @@ def test_a_full_disk_at_the_final_save_leaves_nothing_half_written(tmp_path, mod
 def test_ctrl_c_stops_with_one_line_saying_what_resumes(tmp_path):
     """SIGINT to the whole job, as a terminal's Ctrl-C sends it: one line from the workers, where the run stands and
     what resumes it. torchrun's own traceback of its SignalException comes from torchrun, outside the workers."""
-    cmd = torchrun_command(["grpo.py", "--trainer.output-dir", str(tmp_path), "--trainer.total-steps", "200",
-                            "--trainer.save-freq", "2", *SMALL])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "grpo.py", "--trainer.output-dir", str(tmp_path), "--trainer.total-steps",
+           "200", "--trainer.save-freq", "2", *SMALL]
     job = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     printed = []

@@ -197,3 +197,8 @@ def test_the_trainer_passes_its_flags_to_the_check(tmp_path):
     expected = estimate_memory(QWEN_7B, world_size=64, gpu_bytes=GPU_80GB, kl=False, micro_batch_size=4,
                                max_seq_len=2048, gradient_checkpointing=False, engine="hf")
     assert estimate == expected
+    # a micro-batch size above a rank's share of the rollout batch (32 x 16 / 256 = 2 sequences) counts that share
+    cfg.actor.micro_batch_size = 64
+    assert check_run_memory(cfg, str(tmp_path), world_size=256, gpu_bytes=GPU_80GB) == estimate_memory(
+        QWEN_7B, world_size=256, gpu_bytes=GPU_80GB, kl=False, micro_batch_size=2, max_seq_len=2048,
+        gradient_checkpointing=False, engine="hf")
