@@ -68,8 +68,8 @@ def main(argv: list[str]) -> None:
     paths = [arg for arg in argv if arg != "--overwrite"]
     if len(paths) != 2 or any(arg.startswith("-") for arg in paths):
         raise SystemExit("usage: python -m merge RUN_FOLDER_OR_CHECKPOINT OUT [--overwrite]")
-    quiet_libraries(verbose=False)
     check_output_folder(paths[1], overwrite, "the merger's output folder")  # before anything loads
+    quiet_libraries(verbose=False)
     _, _, device = init_distributed()
     checkpoint = merge(paths[0], paths[1], device, overwrite)
     if dist.get_rank() == 0:
