@@ -194,6 +194,21 @@ def test_a_reward_that_hangs_can_be_scored_zero_and_counted(tmp_path):
     assert metrics["train/reward_overall"] == 31 / 32
 
 
+def test_rewards_whose_statistics_overflow_are_reported_not_crashed_on(tmp_path):
+    """3e38 is a valid float32 reward, but a group's mean of several overflows: the advantages are NaN, each
+    step's optimizer step is skipped and the step line says so; no OverflowError, no torch warning."""
+    reward = tmp_path / "rewards.py"
+    reward.write_text("calls = []\n\ndef score(inp):\n    calls.append(inp)\n"
+                      "    return {'overall': 3e38 if len(calls) % 2 else 0.0}\n")
+    proc = launch(["grpo.py", "--reward.function", f"{reward}:score", "--trainer.output-dir", str(tmp_path),
+                   "--trainer.total-steps", "1", *SMALL])
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "1 optimizer step(s) skipped: non-finite gradient" in output and "lr_scheduler" not in output
+    metrics = json.loads((tmp_path / "tiny-qwen2_toy" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["actor/skipped_steps"] == 1 and metrics["train/reward_overall"] == pytest.approx(1.5e38)
+
+
 # ---------------------------------------------------------------- a full disk
 
 
