@@ -42,11 +42,12 @@ from lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
 from vision import is_vision_language, keep_vision_tower_in_step
 
 
-def init_distributed(timeout_minutes: float = 30) -> tuple[int, int, torch.device]:
+def init_distributed(timeout_minutes: float = 30, cpu_offload: bool = False) -> tuple[int, int, torch.device]:
     """Join torchrun's process group; a plain `python grpo.py` runs as a world of one.
 
     The timeout bounds every collective, the first ones included: while rank 0 reads a large checkpoint
-    the other ranks wait in the broadcast that follows, so it must cover that read.
+    the other ranks wait in the broadcast that follows, so it must cover that read. `cpu_offload`: FSDP2's CPU
+    offload will reduce host tensors too (process_group_backend).
     """
     for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                          ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
@@ -55,11 +56,21 @@ def init_distributed(timeout_minutes: float = 30) -> tuple[int, int, torch.devic
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        dist.init_process_group(process_group_backend("cuda", cpu_offload), device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(process_group_backend("cpu", cpu_offload), timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def process_group_backend(device_type: str, cpu_offload: bool) -> str:
+    """NCCL for a GPU's tensors, gloo for a CPU's. NCCL serves CUDA tensors only, and under FSDP2's CPU offload
+    the shards and gradients are host tensors inside DTensors: the gradient-norm clip reduces them, so that
+    run needs gloo for the CPU beside NCCL (torch's own advice in its "No backend type associated with device
+    type cpu" error; torchtitan does the same)."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
 
 
 def all_reduce(values: dict[str, float | torch.Tensor], device: torch.device,
@@ -247,18 +258,22 @@ def gathered(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor in `dtype`), gathering one parameter at a time: never a second model copy.
+def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype,
+                        device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor in `dtype` on `device`), gathering one parameter at a time: never a second model
+    copy.
 
-    Each shard is cast before the gather, so a bf16 engine moves half the bytes of the fp32 master weights.
+    Each shard is cast before the gather, so a bf16 engine moves half the bytes of the fp32 master weights, and
+    moved to `device`, the training device, first: under FSDP2's CPU offload it lives on the host, where NCCL
+    cannot gather it (and gloo would, over TCP, at every sync).
     Every rank must consume the whole stream in the same order (each `full_tensor()` is a collective).
     Tied parameters appear once (under the input embedding's name), as `named_parameters` dedups them.
     """
     if has_adapters(model):  # LoRA: the adapted weights, merged while streaming, under the base model's names
-        yield from merged_weights(model, dtype)
+        yield from merged_weights(model, dtype, device)
         return
     for name, param in model.named_parameters():
-        shard = param.to(dtype)
+        shard = param.to(device=device, dtype=dtype)
         yield name, shard.full_tensor() if isinstance(shard, DTensor) else shard
 
 
@@ -280,14 +295,16 @@ def check_output_folder(path: str | Path, overwrite: bool, what: str) -> None:
                          "it, or choose a new folder")
 
 
-def save_hf_model(model: FSDPModule, tokenizer, path: str | Path, overwrite: bool, what: str, if_full: str) -> None:
+def save_hf_model(model: FSDPModule, tokenizer, path: str | Path, device: torch.device, overwrite: bool, what: str,
+                  if_full: str) -> None:
     """Write a Hugging Face folder (safetensors + config + tokenizer, or a VLM's processor in its place) atomically:
     into a new hidden folder beside `path`, renamed into place once complete. An earlier folder at `path` is
     replaced only if this program wrote it and `overwrite` (check_output_folder). A full disk ends the run with
-    one message (`if_full` says what to do), the unfinished folder deleted."""
+    one message (`if_full` says what to do), the unfinished folder deleted. Only rank 0 holds the full model in
+    host memory; the others take part in the gathers. `device`: the training device, where the gathers run."""
     if has_adapters(model):  # LoRA: the merged weights under the base model's names, a plain HF model
         dtype = next(p.dtype for n, p in model.named_parameters() if ".lora_" not in n)
-        state = {name: tensor.cpu() for name, tensor in merged_weights(model, dtype)}
+        state = {name: tensor.cpu() for name, tensor in merged_weights(model, dtype, device) if dist.get_rank() == 0}
     else:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if getattr(model.config, "tie_word_embeddings", False):  # the head is the input embedding: store it once

@@ -700,7 +700,7 @@ def main(cfg: Config) -> None:
     if cfg.trainer.save_final:  # the run's final folder may only replace an earlier one of ours
         check_output_folder(run_dir / "final", overwrite=True, what="the run's final model folder")
     model_path = resolve_model(cfg.actor.model_path, cfg.trainer.output_dir)
-    rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes)
+    rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes, cfg.actor.fsdp_cpu_offload)
     dist.barrier()  # every node's tiny model is written
     check_model_source(model_path, cfg.actor.model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     torch.manual_seed(cfg.trainer.seed)
@@ -884,7 +884,7 @@ def main(cfg: Config) -> None:
             progress.advance(task)
 
     if cfg.trainer.save_final:
-        save_hf_model(actor, processor or tokenizer, run_dir / "final", overwrite=True,
+        save_hf_model(actor, processor or tokenizer, run_dir / "final", device, overwrite=True,
                       what="the run's final model folder", if_full="the trained weights are in the last checkpoint: "
                       "free some space and launch the same command to write it" if cfg.trainer.save_freq
                       else "the run saved no checkpoint (--trainer.save-freq 0)")

@@ -77,24 +77,30 @@ def base_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    shard = tensor.to(dtype)
+def _full(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A parameter's full tensor: its shard moved to the training device (NCCL gathers GPU tensors only; under
+    FSDP2's CPU offload the shard lives on the host), cast to `dtype` if given, then gathered."""
+    shard = tensor.to(device=device, dtype=dtype or tensor.dtype)
     return shard.full_tensor() if isinstance(shard, DTensor) else shard
 
 
 @torch.no_grad()
-def merged_weights(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(model, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """(base model name, full tensor in `dtype`) of the adapted model, W + (alpha / rank) B A for every layer with
     an adapter, one parameter at a time. Every rank must consume the whole stream in the same order (each gather
-    is a collective). The model itself is not changed."""
+    is a collective). The model itself is not changed.
+
+    W is gathered in its stored dtype (bf16 on GPU: half the bytes of fp32) and upcast after, for the sum in fp32;
+    the other weights are cast to `dtype` before their gather, as in a full-parameter stream.
+    """
     layers = {name: module for name, module in model.named_modules() if hasattr(module, "lora_A")}
     for name, param in model.named_parameters():
         if ".lora_A." in name or ".lora_B." in name:
             continue
         if name.endswith(".base_layer.weight") and name.removesuffix(".base_layer.weight") in layers:
             layer = layers[name.removesuffix(".base_layer.weight")]
-            a = _full(layer.lora_A[ADAPTER].weight, torch.float32)  # [rank, in]
-            b = _full(layer.lora_B[ADAPTER].weight, torch.float32)  # [out, rank]
-            yield base_name(name), (_full(param, torch.float32) + layer.scaling[ADAPTER] * (b @ a)).to(dtype)
+            a = _full(layer.lora_A[ADAPTER].weight, device).float()  # [rank, in]
+            b = _full(layer.lora_B[ADAPTER].weight, device).float()  # [out, rank]
+            yield base_name(name), (_full(param, device).float() + layer.scaling[ADAPTER] * (b @ a)).to(dtype)
         else:
-            yield base_name(name), _full(param, dtype)
+            yield base_name(name), _full(param, device, dtype)

@@ -58,7 +58,7 @@ def merge(source: str | Path, out: str | Path, device: torch.device, overwrite: 
                                lora=lora)
     load_model(checkpoint, model)
     vision = is_vision_language(AutoConfig.from_pretrained(model_path))
-    save_hf_model(model, (AutoProcessor if vision else AutoTokenizer).from_pretrained(model_path), out, overwrite,
+    save_hf_model(model, (AutoProcessor if vision else AutoTokenizer).from_pretrained(model_path), out, device, overwrite,
                   "the merger's output folder", "free some space and run the merger again")
     return checkpoint
 

@@ -238,7 +238,7 @@ class VLLMRollout:
         """
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        self._worker.reload_weights(weights_iterator=stream_full_weights(model, self.dtype))
+        self._worker.reload_weights(weights_iterator=stream_full_weights(model, self.dtype, self.device))
         if not self.on_gpu:  # refresh the CPU-packed head (tied); a VLM's sits in its language model
             for name, module in self._model.named_modules():
                 if name.split(".")[-1] == "lm_head" and hasattr(module, "quant_method"):

@@ -75,7 +75,7 @@ def main(engine: str, architecture: str, out: str):
     image_groups += rollout.generate(image_prompts, version=1) if image_prompts else []  # the same images again
 
     # the weight stream casts each shard before its gather: bf16 tensors equal to the full fp32 ones, cast
-    streamed = dict(stream_full_weights(actor, torch.bfloat16))
+    streamed = dict(stream_full_weights(actor, torch.bfloat16, device))
     full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in actor.named_parameters()}
     stream_exact = all(streamed[k].dtype == torch.bfloat16 and torch.equal(streamed[k], full[k].bfloat16()) for k in full)
     # the frozen reference stored in bf16 (as on GPU): the checkpoint's log-probs (the first samples') within bf16 rounding

@@ -90,7 +90,7 @@ def test_merged_stream_is_the_adapted_model_and_never_touches_the_base(tiny, wor
     model = load_sharded_model(tiny, torch.device("cpu"), trainable=True, lora=LORA)
     nudge(model, "lora_")
     base_before = {n: full(p).clone() for n, p in model.named_parameters() if "lora_" not in n}
-    merged = dict(stream_full_weights(model, torch.float32))
+    merged = dict(stream_full_weights(model, torch.float32, torch.device("cpu")))
     assert set(merged) == {base_name(n) for n in base_before} and all(".base_layer" not in n for n in merged)
     plain = AutoModelForCausalLM.from_pretrained(tiny)
     plain.load_state_dict(merged, strict=False)  # the tied head is the embedding
@@ -98,7 +98,7 @@ def test_merged_stream_is_the_adapted_model_and_never_touches_the_base(tiny, wor
     torch.testing.assert_close(batched_logprobs(plain, batch, 1.0, 3), batched_logprobs(model, batch, 1.0, 3),
                                atol=1e-5, rtol=0)
     for _ in range(50):
-        for _ in stream_full_weights(model, torch.float32):
+        for _ in stream_full_weights(model, torch.float32, torch.device("cpu")):
             pass
     assert all(torch.equal(full(p), base_before[n]) for n, p in model.named_parameters() if "lora_" not in n)
 
@@ -142,7 +142,7 @@ def test_the_merger_writes_a_vision_language_model_with_its_processor(world_of_o
     merge(tmp_path / "run" / "checkpoints" / "step_000001", tmp_path / "out", torch.device("cpu"))  # a checkpoint path
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
     assert AutoProcessor.from_pretrained(tmp_path / "out").image_processor.merge_size == 2
-    expected = dict(stream_full_weights(model, torch.float32))
+    expected = dict(stream_full_weights(model, torch.float32, torch.device("cpu")))
     assert all(torch.equal(merged.state_dict()[name], tensor) for name, tensor in expected.items())
     assert_vllm_loads_it(tmp_path / "out", AutoModelForImageTextToText)
 

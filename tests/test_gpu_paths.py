@@ -1,0 +1,118 @@
+"""What a GPU run does that a CPU run cannot show, each with a CPU stand-in that fails the way the GPU would.
+
+- NCCL serves CUDA tensors only: process groups built from torch's fake backend, registered for one device type
+  (`meta` standing for `cuda` where the tensors must really move), so a collective on a host tensor raises
+  "No backend type associated with device type cpu" as it does under NCCL.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fsdp_utils import process_group_backend, save_hf_model, stream_full_weights
+from lora import LoRAConfig, add_adapters
+
+
+def fake_backend(device_type: str) -> str:
+    """The name of a fake (no-op) backend that serves tensors of `device_type` only, registered once."""
+    name = f"fake_{device_type}"
+    if not hasattr(dist.Backend, name.upper()):
+        dist.Backend.register_backend(name, _create_fake_pg, extended_api=True, devices=[device_type])
+    return name
+
+
+@pytest.fixture
+def world_of_two():
+    """Initialise a fake world of two in this process with the backend string given; destroy it after."""
+    def init(backend: str):
+        dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=2)
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def offloaded_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    for layer in model:
+        fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return model
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_an_offloaded_update_has_a_backend_for_its_host_tensors(world_of_two, offload):
+    """Under FSDP2's CPU offload the shards and gradients are host tensors, which the update reduces (the norm
+    clip). The backend a --actor.fsdp-cpu-offload run gets on a GPU serves them; NCCL alone (what every GPU run got
+    before) does not."""
+    backend = process_group_backend("cuda", cpu_offload=offload)
+    world_of_two(backend.replace("gloo", fake_backend("cpu")).replace("nccl", fake_backend("cuda")))
+
+    def update():
+        model = offloaded_model()
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 4)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    if offload:
+        update()
+    else:
+        with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+            update()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_weight_stream_gathers_on_the_training_device(world_of_two, lora):
+    """A process group that serves only the training device (meta, standing for cuda): the stream of an offloaded
+    model moves each host shard there before gathering it, so NCCL can gather it (before: a host gather, which
+    NCCL refuses and gloo would do over TCP at every sync). With LoRA, the adapted weights the same way."""
+    world_of_two(f"meta:{fake_backend('meta')}")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    if lora:
+        model = add_adapters(model, LoRAConfig(rank=2, target_modules=("0", "1")))
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    streamed = dict(stream_full_weights(model, torch.bfloat16, torch.device("meta")))
+    assert {name: (t.device.type, t.dtype, tuple(t.shape)) for name, t in streamed.items()} == {
+        name: ("meta", torch.bfloat16, shape) for name, shape in
+        {"0.weight": (4, 4), "0.bias": (4,), "1.weight": (4, 4), "1.bias": (4,)}.items()}
+
+
+def lora_llama(dtype: torch.dtype) -> torch.nn.Module:
+    """A tiny Llama with LoRA adapters, its base stored in `dtype` (bf16, as LoRA stores it on a GPU), sharded."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=4, tie_word_embeddings=False)
+    model = add_adapters(LlamaForCausalLM(config).to(dtype), LoRAConfig(rank=2))
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return model
+
+
+def test_lora_gathers_the_base_in_its_stored_dtype(world_of_two, monkeypatch):
+    """The merged stream's W + (alpha / rank) B A: W is gathered as stored (bf16 on GPU), then upcast for the sum;
+    before, it was cast to fp32 first and gathered at twice the bytes, for the same values."""
+    world_of_two(f"meta:{fake_backend('meta')}")
+    model = lora_llama(torch.bfloat16)
+    gathered = []
+    full_tensor = DTensor.full_tensor
+    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: gathered.append(self.dtype) or full_tensor(self, **kw))
+    streamed = dict(stream_full_weights(model, torch.bfloat16, torch.device("meta")))
+    adapted = sum(hasattr(module, "lora_A") for module in model.modules())
+    assert adapted == 7 and all(t.dtype == torch.bfloat16 for t in streamed.values())
+    assert gathered.count(torch.float32) == 2 * adapted  # the adapters' A and B (peft keeps them fp32), nothing else
+
+
+def test_only_rank_0_holds_the_merged_model_it_saves(world_of_two, tmp_path):
+    """The final LoRA save gathers every layer on every rank, but only rank 0, which writes the folder, keeps them
+    in host memory (8 x 15 GB for a 7B model on 8 GPUs before). Here rank 1 of a world on `meta`: copying a gathered
+    tensor to the host fails there, so keeping one would raise."""
+    dist.init_process_group(f"cpu:{fake_backend('cpu')},meta:{fake_backend('meta')}", store=FakeStore(), rank=1,
+                            world_size=2)
+    model = lora_llama(torch.bfloat16)
+    save_hf_model(model, None, tmp_path / "final", torch.device("meta"), overwrite=False, what="test", if_full="")
+    assert not (tmp_path / "final").exists()  # rank 1 writes nothing
