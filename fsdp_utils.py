@@ -26,6 +26,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -231,6 +232,25 @@ def move_training_state(device: torch.device | str, models: list, optimizer: tor
     if torch.device(device).type == "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+@dataclass
+class TrainingState:
+    """What training keeps on the device between steps (sharded models, AdamW's moments) and where it waits while
+    the engine generates: on the device, or in host memory when `offload` (--actor.offload-while-generating)."""
+
+    models: list[torch.nn.Module]
+    optimizer: torch.optim.Optimizer | None
+    device: torch.device
+    offload: bool
+
+    def to_host(self) -> None:
+        if self.offload:
+            move_training_state("cpu", self.models, self.optimizer)
+
+    def to_device(self) -> None:
+        if self.offload:
+            move_training_state(self.device, self.models, self.optimizer)
 
 
 @contextmanager

@@ -48,8 +48,8 @@ from checkpoints import (agree_on_resume_point, load_checkpoint, prepare_run_fol
 from console import INTERRUPT_NOTES, did_you_mean, parse_quietly, quiet_libraries, report_once, run
 from data import (DataConfig, PromptDataset, PromptItem, PromptLoader, load_rows, parse_spec, shard,
                   validation_files)
-from fsdp_utils import (HF_MARKER, all_reduce, check_model_source, check_output_folder, init_distributed,
-                        load_sharded_model, move_training_state, save_hf_model, sum_over_ranks, to_floats)
+from fsdp_utils import (HF_MARKER, TrainingState, all_reduce, check_model_source, check_output_folder, init_distributed,
+                        load_sharded_model, save_hf_model, sum_over_ranks, to_floats)
 from logprobs import batched_logprobs, make_batch, micro_batches, response_logprobs, select
 from lora import LoRAConfig, adapters_off, base_of
 from memory import check_run_memory
@@ -630,6 +630,20 @@ def validate(rollout, val_items, step, tokenizer, reward_fn, device: torch.devic
     return score_metrics("val", groups, device), samples
 
 
+def start_engine(cfg: Config, model_path: str, actor, state: TrainingState, resumed_step: int | None):
+    """The rollout engine, started with the training state in host memory when it is offloaded while generating;
+    a resumed run's engine then gets the resumed weights: it sleeps (GPU) before the state comes back to the
+    device for the stream, which moves the state out again before the engine's KV cache wakes."""
+    state.to_host()
+    rollout = build_rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                            state.device, actor)
+    if resumed_step is not None:
+        rollout.sleep()
+        state.to_device()
+        rollout.sync_weights(actor, version=resumed_step, on_loaded=state.to_host)
+    return rollout
+
+
 def check_config(cfg: Config, world_size: int) -> None:
     """Fail before anything is loaded, naming the flag to change."""
     t, n, r, a = cfg.trainer, cfg.rollout.n, cfg.rollout, cfg.actor
@@ -767,18 +781,9 @@ def main(cfg: Config) -> None:
         kl_coef = state["kl_coef"]
         console.print(f"resumed from {start} (step {state['step']}"
                       + (", model only: AdamW restarts from zero moments)" if state["model_only"] else ")"))
-    offload = cfg.actor.offload_while_generating  # the engine starts and generates with the training state on the host
-    training_state = ([actor] + ([ref] if ref is not None else []), optimizer)
-    if offload:
-        move_training_state("cpu", *training_state)
-    rollout = build_rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-                            device, actor)
-    if start is not None:  # the engine holds the resumed weights before rolling out
-        if offload:  # the stream gathers the shards on the training device
-            move_training_state(device, *training_state)
-        rollout.sync_weights(actor, version=first_step - 1)
-        if offload:
-            move_training_state("cpu", *training_state)
+    training_state = TrainingState([actor] + ([ref] if ref is not None else []), optimizer, device,
+                                   offload=cfg.actor.offload_while_generating)
+    rollout = start_engine(cfg, model_path, actor, training_state, first_step - 1 if start is not None else None)
     # one optimizer step per rollout batch: the old log-probs are the update's own, no pass of their own (TRL's way)
     on_policy = (cfg.trainer.ppo_epochs == 1 and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
                  and not algo.use_kl_in_reward)
@@ -804,8 +809,7 @@ def main(cfg: Config) -> None:
             # ---- generate + score (more rounds when dynamic sampling drops groups) ------------------------
             groups, metrics = collect_rollouts(rollout, loader, reward_fn, tokenizer, cfg, step - 1, timer, device)
             rollout.sleep()
-            if offload:
-                move_training_state(device, *training_state)
+            training_state.to_device()
             responses = [r for g in groups for r in g.responses]
             prompts = [expand_prompt(processor, g.item) if processor else (g.item["prompt_ids"], None) for g in groups]
             batch = make_batch([ids for (ids, _), g in zip(prompts, groups) for _ in g.responses],
@@ -847,10 +851,8 @@ def main(cfg: Config) -> None:
             metrics.update(logprob_metrics(batch, old_logprobs, ref_logprobs))
 
             # ---- sync the engine ---------------------------------------------------------------------
-            with timer("sync"):
-                rollout.sync_weights(actor, version=step)
-                if offload:
-                    move_training_state("cpu", *training_state)
+            with timer("sync"):  # the training state leaves the GPU (offload) before the engine's KV cache wakes
+                rollout.sync_weights(actor, version=step, on_loaded=training_state.to_host)
 
             # ---- validate, log, save -----------------------------------------------------------------
             metrics.update(score_metrics("train", groups, device))

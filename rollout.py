@@ -16,8 +16,9 @@ Design decisions:
 - Log-probs are those of the distribution actually sampled from (after temperature, top-k, top-p), the
   quantity the trainer recomputes, so their gap measures engine staleness and numerics. With top_p < 1
   or top_k > 0 the engines renormalise over the kept tokens, so the gap then also includes that truncation.
-- Every generate call samples from its own RNG stream, seeded from (seed, engine, step, purpose, call index) and
-  swapped in around the call (`sampling_rng`): the ranks of a tensor-parallel engine then draw identical
+- Every generate call samples from its own RNG streams (torch's and numpy's: vLLM's two model runners read one
+  each), seeded from (seed, engine, step, purpose, call index) and swapped in around the call (`sampling_rng`):
+  the ranks of a tensor-parallel engine then draw identical
   samples whatever else touched the global RNG (a user's reward function, say), a rerun (or a resumed run)
   draws the same samples, and the trainer's own RNG is left as it was.
 - LoRA (lora.py): the engine gets the adapted weights merged, W + (alpha / rank) B A, in the same in-place
@@ -32,10 +33,12 @@ Design decisions:
 import logging
 import os
 import random
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -134,10 +137,18 @@ class SeedStream:
 
 @contextmanager
 def sampling_rng(seed: int, device: torch.device):
-    """The global RNG (CPU, and `device` if it is a GPU) seeded with `seed` inside, restored on exit."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
+    """The global RNGs vLLM samples from, seeded with `seed` inside and restored on exit: torch's (CPU, and `device`
+    if it is a GPU), which vLLM 0.32's V1 model runner (the CPU platform's) samples with; and numpy's, from which
+    its V2 runner (the default on CUDA) draws each request's seed as the request is added
+    (vllm/v1/worker/gpu/sample/states.py) and never reads torch's."""
+    numpy_state = np.random.get_state()
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])  # numpy takes 32-bit words
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            yield
+    finally:
+        np.random.set_state(numpy_state)
 
 
 # ==================================================================================================
@@ -164,12 +175,12 @@ class VLLMRollout:
       image comes back only next epoch, so the cache would only grow, step after step.
     - CUDA graphs on GPU unless `--rollout.enforce-eager` (decoding is launch-bound for small batches);
       the CPU platform has no graphs, so it runs eagerly.
-    - The sampling RNG (module docstring) is the device's default generator, which vLLM's sampler uses for
-      unseeded requests, set per call. Per-request seeds (`SamplingParams.seed`) would pin the samples too,
-      but vLLM then draws each seeded request's noise with its own generator, a Python loop over requests
-      at every decoding step: 0.87x of unseeded throughput on CPU here (benchmarks/bench.py), and worse with
-      the thousand requests of a GPU batch; on CPU they also break chunked prefill ("CPU Generator does not
-      use offset", vLLM 0.32).
+    - The sampling RNGs (module docstring) are set per call: the device's default generator, which the V1 model
+      runner (CPU) samples unseeded requests with, and numpy's, from which the V2 runner (CUDA) draws each
+      request's seed. Per-request seeds (`SamplingParams.seed`) would pin the samples too, and V2 samples them
+      in one kernel, but V1 then draws each seeded request's noise with its own generator, a Python loop over
+      requests at every decoding step (0.87x of unseeded throughput on CPU, benchmarks/bench.py), and on CPU
+      they break chunked prefill ("CPU Generator does not use offset", vLLM 0.32).
     """
 
     def __init__(self, cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device):
@@ -230,8 +241,10 @@ class VLLMRollout:
         would run after torch.distributed is gone and fail with "Invalid process group specified"."""
         self.llm.llm_engine.engine_core.shutdown()
 
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Load the trainer's weights in place: wake the weights, stream them in, then wake the KV cache.
+    def sync_weights(self, model: torch.nn.Module, version: int, on_loaded: Callable[[], None] = lambda: None) -> None:
+        """Load the trainer's weights in place: wake the weights, stream them in, `on_loaded()`, then wake the KV
+        cache. `on_loaded` is where whatever must leave the GPU to make room for the KV cache leaves
+        (--actor.offload-while-generating: the training state); after the wake it would be too late.
 
         Collective: every rank streams the whole model (fsdp_utils.stream_full_weights gathers and casts
         one parameter at a time).
@@ -243,6 +256,7 @@ class VLLMRollout:
             for name, module in self._model.named_modules():
                 if name.split(".")[-1] == "lm_head" and hasattr(module, "quant_method"):
                     module.quant_method.process_weights_after_loading(module)
+        on_loaded()
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -332,8 +346,9 @@ class HFRollout:
     def shutdown(self) -> None:
         """Nothing to stop."""
 
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+    def sync_weights(self, model: torch.nn.Module, version: int, on_loaded: Callable[[], None] = lambda: None) -> None:
         """The engine generates with the trainer's model itself, so it holds step `version`'s weights already."""
+        on_loaded()
         self.weights_version = version
 
     @torch.no_grad()

@@ -9,6 +9,7 @@ The hf engine generates with the trainer's own FSDP2 model, with ranks decoding 
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,11 +55,14 @@ def test_generate_and_sync_changed_weights(tmp_path, engine, architecture):
 
 
 class RecordingLLM:
-    """Stands in for vllm.LLM in GPU mode, where sleep mode runs (the CPU platform refuses it): records calls,
-    and what its sampler would draw from the global RNG."""
+    """Stands in for vllm.LLM in GPU mode, where sleep mode runs (the CPU platform refuses it): records calls, and what
+    its sampler would draw: as vLLM's V1 model runner (the CPU one), from torch's default generator; as its V2
+    runner (the default on CUDA), a seed per request from np.random as the request is added."""
+
+    log: list[str] | None = None  # where the calls go: a fresh list per engine unless a test shares one
 
     def __init__(self, **settings):
-        self.settings, self.calls, self.draws = settings, [], []
+        self.settings, self.calls, self.draws = settings, [] if self.log is None else self.log, []
         worker = SimpleNamespace(reload_weights=lambda weights_iterator: self.calls.append(
             f"reload {len(list(weights_iterator))} tensors"), model_runner=SimpleNamespace(model=torch.nn.Module()))
         executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker))
@@ -77,50 +81,96 @@ class RecordingLLM:
 
     def generate(self, requests, params, use_tqdm):
         self.calls.append("generate")
-        self.draws.append(torch.rand(1).item())
+        self.draws.append({"v1": torch.rand(1).item(), "v2": [np.random.randint(2**31) for _ in requests]})
         sample = SimpleNamespace(token_ids=[5, EOS], logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {EOS: SimpleNamespace(logprob=-0.5)}],
                                  finish_reason="stop")
         return [SimpleNamespace(outputs=[sample] * params.n) for _ in requests]
 
 
-def test_gpu_engine_settings_sleep_wake_sync_order_and_sampling_rng(monkeypatch):
-    """On GPU: sleep level 2 between rollouts, only a sync wakes the engine (weights, load, KV cache, fresh prefix
-    cache), CUDA graphs and prefix caching on; each call samples from an RNG set by (seed, step, call) alone."""
+@pytest.fixture
+def gpu_stand_in(monkeypatch):
+    """A `cuda` device on this CPU, in a world of one: vllm.LLM is the RecordingLLM, there is no GPU RNG to fork, and
+    the weight stream stays on the host (no cuda to move shards to). Yields the device."""
     import vllm
 
+    import fsdp_utils
+    import rollout
     from conftest import free_port
-    from rollout import RolloutConfig, VLLMRollout
 
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.empty(0))  # no GPU RNG on this CPU
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.empty(0))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: None)
+    monkeypatch.setattr(rollout, "stream_full_weights",
+                        lambda model, dtype, device: fsdp_utils.stream_full_weights(model, dtype, torch.device("cpu")))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        rollout = VLLMRollout(RolloutConfig(n=3), "model", max_model_len=64, device=torch.device("cuda", 0))
-        settings = rollout.llm.settings
-        assert settings["enable_sleep_mode"] and settings["enable_prefix_caching"] and not settings["enforce_eager"]
-        assert settings["dtype"] == torch.bfloat16 and settings["gpu_memory_utilization"] == 0.5
-        prompts = [{"prompt_ids": [1, 2]}, {"prompt_ids": [3]}]
-        groups = rollout.generate(prompts, version=0)  # awake with the checkpoint: no sleep before the first rollout
-        assert [len(g) for g in groups] == [3, 3] and groups[0][0].logprobs == [-1.0, -0.5] and not groups[0][0].truncated
-        rollout.sleep()
-        with pytest.raises(RuntimeError, match="asleep"):
-            rollout.generate(prompts, version=0)  # level 2 discarded the weights: waking without a sync is garbage
-        rollout.sync_weights(torch.nn.Linear(2, 2), version=1)
-        torch.manual_seed(7)  # the trainer's RNG: consumed differently by each rank's reward function, say
-        trainer_next = torch.rand(1).item()
-        torch.manual_seed(7)
-        rollout.generate(prompts, version=1)
-        assert torch.rand(1).item() == trainer_next, "generate must leave the trainer's RNG as it was"
-        assert rollout.llm.calls == ["generate", "sleep 2", "wake weights", "reload 2 tensors", "wake kv_cache",
-                                     "reset prefix cache", "reset encoder cache", "generate"]
-        # a second engine (another rank of a tensor-parallel group, or a rerun) draws the same at the same step,
-        # whatever the global RNG went through before
-        other = VLLMRollout(RolloutConfig(n=3), "model", max_model_len=64, device=torch.device("cuda", 0))
-        torch.rand(5)
-        other.generate(prompts, version=0)
-        other.sync_weights(torch.nn.Linear(2, 2), version=1)
-        other.generate(prompts, version=1)
-        assert other.llm.draws == rollout.llm.draws and rollout.llm.draws[0] != rollout.llm.draws[1]
-    finally:
-        dist.destroy_process_group()
+    yield torch.device("cuda", 0)
+    dist.destroy_process_group()
+
+
+def test_gpu_engine_settings_sleep_wake_sync_order_and_sampling_rng(gpu_stand_in):
+    """On GPU: sleep level 2 between rollouts, only a sync wakes the engine (weights, load, KV cache, fresh prefix
+    cache), CUDA graphs and prefix caching on; each call samples from RNGs set by (seed, step, call) alone, torch's
+    (V1) and numpy's (V2), and leaves the trainer's as they were."""
+    from rollout import RolloutConfig, VLLMRollout
+
+    rollout = VLLMRollout(RolloutConfig(n=3), "model", max_model_len=64, device=gpu_stand_in)
+    settings = rollout.llm.settings
+    assert settings["enable_sleep_mode"] and settings["enable_prefix_caching"] and not settings["enforce_eager"]
+    assert settings["dtype"] == torch.bfloat16 and settings["gpu_memory_utilization"] == 0.5
+    prompts = [{"prompt_ids": [1, 2]}, {"prompt_ids": [3]}]
+    groups = rollout.generate(prompts, version=0)  # awake with the checkpoint: no sleep before the first rollout
+    assert [len(g) for g in groups] == [3, 3] and groups[0][0].logprobs == [-1.0, -0.5] and not groups[0][0].truncated
+    rollout.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        rollout.generate(prompts, version=0)  # level 2 discarded the weights: waking without a sync is garbage
+    rollout.sync_weights(torch.nn.Linear(2, 2), version=1)
+    torch.manual_seed(7)  # the trainer's RNGs: consumed differently by each rank's reward function, say
+    np.random.seed(7)
+    trainer_next = (torch.rand(1).item(), np.random.rand())
+    torch.manual_seed(7)
+    np.random.seed(7)
+    rollout.generate(prompts, version=1)
+    assert (torch.rand(1).item(), np.random.rand()) == trainer_next, "generate must leave the trainer's RNGs as they were"
+    assert rollout.llm.calls == ["generate", "sleep 2", "wake weights", "reload 2 tensors", "wake kv_cache",
+                                 "reset prefix cache", "reset encoder cache", "generate"]
+    # a second engine (another rank of a tensor-parallel group, or a rerun) draws the same at the same step,
+    # whatever the global RNGs went through before: in either model runner
+    other = VLLMRollout(RolloutConfig(n=3), "model", max_model_len=64, device=gpu_stand_in)
+    torch.rand(5)
+    np.random.rand(5)
+    other.generate(prompts, version=0)
+    other.sync_weights(torch.nn.Linear(2, 2), version=1)
+    other.generate(prompts, version=1)
+    assert other.llm.draws == rollout.llm.draws and rollout.llm.draws[0] != rollout.llm.draws[1]
+
+
+def test_the_offloaded_state_leaves_before_the_kv_cache_wakes_and_returns_after_the_engine_sleeps(gpu_stand_in,
+                                                                                                  monkeypatch):
+    """--actor.offload-while-generating on GPU: the training state is in host memory whenever the engine's KV cache
+    is awake. A resumed run's engine sleeps before the state comes back for the stream of the resumed weights, and
+    the state leaves again between the weights' reload and the KV cache's wake (before: after the wake, the
+    whole KV cache and the whole training state resident at once)."""
+    import grpo
+    from fsdp_utils import TrainingState
+
+    calls = []
+    monkeypatch.setattr(RecordingLLM, "log", calls)
+
+    class Sharded(torch.nn.Module):  # records where the training state goes
+        def to(self, device):
+            calls.append(f"state to {torch.device(device).type}")
+            return self
+
+    cfg = grpo.Config()
+    state = TrainingState([Sharded()], None, gpu_stand_in, offload=True)
+    actor = torch.nn.Linear(2, 2)
+    rollout = grpo.start_engine(cfg, "model", actor, state, resumed_step=4)
+    assert calls == ["state to cpu", "sleep 2", "state to cuda", "wake weights", "reload 2 tensors", "state to cpu",
+                     "wake kv_cache", "reset prefix cache", "reset encoder cache"]
+    calls.clear()
+    rollout.generate([{"prompt_ids": [1]}], version=4)
+    rollout.sleep()
+    state.to_device()
+    rollout.sync_weights(actor, version=5, on_loaded=state.to_host)  # the loop's order, step after step
+    assert calls == ["generate", "sleep 2", "state to cuda", "wake weights", "reload 2 tensors", "state to cpu",
+                     "wake kv_cache", "reset prefix cache", "reset encoder cache"]
