@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_utils import all_reduce
+from fsdp_utils import all_reduce, reshard
 from lora import base_of
 from vision import PLACEHOLDER_BIAS, is_vision_language, placeholder_token_ids, vision_inputs
 
@@ -227,9 +227,11 @@ def response_logprobs(model, batch: dict, temperature: float, padding_free: bool
 @torch.no_grad()
 def batched_logprobs(model, batch: dict, temperature: float, micro_batch_size: int, max_tokens: int = 0,
                      padding_free: bool = True) -> torch.Tensor:
-    """response_logprobs over micro-batches (micro_batches) -> [B, R]."""
+    """response_logprobs over micro-batches (micro_batches) -> [B, R]. No backward follows these passes, so the
+    model's root FSDP unit is resharded after them (fsdp_utils.reshard)."""
     out = torch.zeros(batch["response_mask"].shape, device=batch["response_mask"].device)  # [B, R]
     for rows in micro_batches(batch, micro_batch_size, max_tokens):
         out[torch.tensor(rows, device=out.device)] = response_logprobs(model, select(batch, rows), temperature,
                                                                        padding_free)
+    reshard(model)
     return out

@@ -13,8 +13,10 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fsdp_utils import process_group_backend, save_hf_model, stream_full_weights
-from lora import LoRAConfig, add_adapters
+from fsdp_utils import load_sharded_model, process_group_backend, save_hf_model, stream_full_weights
+from logprobs import batched_logprobs, make_batch
+from lora import LoRAConfig, add_adapters, adapters_off
+from tiny import build_tiny_model
 
 
 def fake_backend(device_type: str) -> str:
@@ -116,3 +118,17 @@ def test_only_rank_0_holds_the_merged_model_it_saves(world_of_two, tmp_path):
     model = lora_llama(torch.bfloat16)
     save_hf_model(model, None, tmp_path / "final", torch.device("meta"), overwrite=False, what="test", if_full="")
     assert not (tmp_path / "final").exists()  # rank 1 writes nothing
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_no_unit_stays_gathered_after_a_pass_without_backward(world_of_one, tmp_path, lora):
+    """The reference's pass (and the old log-probs'): FSDP2 reshards the blocks after their forward but never the
+    root, which a backward would free. Before, the root (embeddings, head) stayed gathered through every generation
+    that followed. With LoRA the reference is the actor with its adapters off: the same."""
+    model = load_sharded_model(str(build_tiny_model("llama", tmp_path / "llama")), torch.device("cpu"),
+                               trainable=lora, lora=LoRAConfig(rank=2) if lora else None)
+    batch = make_batch([[1, 40, 41], [1, 42]], [[43, 2], [44, 45, 2]], pad_id=0)
+    with adapters_off(model):
+        batched_logprobs(model, batch, temperature=1.0, micro_batch_size=2)
+    gathered = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
+    assert not gathered, f"left gathered after the pass: {gathered}"
