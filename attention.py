@@ -39,19 +39,18 @@ def packed_sdpa_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs
 def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           **kwargs) -> tuple[torch.Tensor, None]:
-    """Causal sdpa per sequence of one packed row (query/key/value [1, heads, S, d], position_ids [1, S] restarting
-    at 0 where each sequence starts) -> ([1, S, heads, d], None); any other call is transformers' sdpa.
+    """Causal sdpa per sequence of one packed row (query/key/value [1, heads, S, d]; `packed_lengths`, the sequences'
+    lengths on the host, given with the forward's inputs by logprobs.forward_inputs) -> ([1, S, heads, d], None);
+    any other call is transformers' sdpa. The lengths come from the host: reading them off the position ids would
+    make every layer wait for the GPU.
 
-    Example: position_ids [[0, 1, 2, 0, 1]] -> sequences [0, 3) and [3, 5), each attending causally to itself.
+    Example: packed_lengths [3, 2] -> sequences [0, 3) and [3, 5), each attending causally to itself.
     """
-    position_ids = kwargs.get("position_ids")
-    packed_row = (attention_mask is None and position_ids is not None and query.shape[0] == 1
+    lengths = kwargs.get("packed_lengths")
+    packed_row = (attention_mask is None and lengths is not None and query.shape[0] == 1
                   and query.shape[2] == key.shape[2] and getattr(module, "is_causal", True))
     if not packed_row:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    starts = (position_ids.reshape(-1) == 0).nonzero().flatten().tolist()  # one host sync per layer
-    bounds = [*starts, query.shape[2]] if starts and starts[0] == 0 else [0, *starts, query.shape[2]]
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     gqa = key.shape[1] != query.shape[1]
     # split, not a slice per sequence: the backward of split is one concatenation, while each slice's backward
     # would write its gradient into a zero-filled tensor of the whole row (measured: a third of the backward)

@@ -93,6 +93,16 @@ def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return summed.to(tensor.dtype)
 
 
+def to_device(values: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Lists of ints made int64 tensors on `device` in one host-to-device copy: concatenated on the host, pinned and
+    sent without waiting (on a GPU), split there. A `torch.tensor(list, device=cuda)` per list would wait for the
+    GPU to finish everything queued, each time. {"a": [1, 2], "b": [3]} -> {"a": tensor([1, 2]), "b": tensor([3])}."""
+    flat = torch.tensor([v for vs in values.values() for v in vs], dtype=torch.long)
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    return dict(zip(values, flat.to(device, non_blocking=True).split([len(vs) for vs in values.values()])))
+
+
 def to_floats(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
     """Device numbers -> Python floats with one device-to-host copy (each `.item()` would wait on the GPU)."""
     tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_utils import all_reduce, reshard
+from fsdp_utils import all_reduce, reshard, to_device
 from lora import base_of
 from vision import PLACEHOLDER_BIAS, is_vision_language, placeholder_token_ids, vision_inputs
 
@@ -142,41 +142,51 @@ def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[list[int]
 # ---- log-probs --------------------------------------------------------------------------------------
 
 
-def forward_inputs(model, batch: dict, padding_free: bool) -> tuple[dict, torch.Tensor]:
-    """The model's forward arguments for a micro-batch, and the index, into its flattened token positions, of
-    the position that predicts each valid response token ([N], row by row).
+def forward_inputs(model, batch: dict, padding_free: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The model's forward arguments for a micro-batch; the index, into its flattened token positions, of the
+    position that predicts each valid response token ([N], row by row); and each such token's place in the
+    [b, R] layout of `batch["responses"]` ([N]).
 
     Packed: input_ids [1, S] with S the total length, position_ids [1, S] restarting at 0 for each sequence
-    (vision-language: [4, 1, S], text positions over the 3-D M-RoPE ones). Padded: input_ids [b, T] cut to
-    the micro-batch's longest sequence; a vision-language model with images computes its own positions.
+    (vision-language: [4, 1, S], text positions over the 3-D M-RoPE ones), and the packing itself, told once for
+    every layer: `cu_seq_lens_q/k` (int32) and `max_length_q/k` for flash-attn (transformers then skips inferring
+    it from the position ids in each layer: three host syncs a layer), the lengths on the host for packed_sdpa
+    (attention.py). Padded: input_ids [b, T] cut to the micro-batch's longest sequence; a vision-language model
+    with images computes its own positions. Every index is built on the host and moved in one copy.
     Example, packed prompts [5, 6] and [7] with responses [8, 9] and [10]: input_ids [[5, 6, 8, 9, 7, 10]],
-    position_ids [[0, 1, 2, 3, 0, 1]], index [1, 2, 4].
+    position_ids [[0, 1, 2, 3, 0, 1]], cu_seq_lens [0, 4, 6], index [1, 2, 4], slots [0, 1, 2] (R = 2).
     """
     prompts, responses, lengths = batch["prompt_lengths"], batch["response_lengths"], sequence_lengths(batch)
-    T, device = max(lengths), batch["input_ids"].device
+    T, R, device = max(lengths), batch["responses"].shape[1], batch["input_ids"].device
     padded = batch["input_ids"][:, :T]  # [b, T]
-    if padding_free:  # every index is built on the host, then moved: boolean masks would make the GPU wait
-        starts = [0, *itertools.accumulate(lengths)][:-1]
-        tokens = torch.tensor([b * T + t for b, n in enumerate(lengths) for t in range(n)], device=device)  # [S]
-        input_ids = padded.flatten()[tokens][None]  # [1, S]
-        positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)  # [1, S]
+    starts = [0, *itertools.accumulate(lengths)][:-1] if padding_free else [b * T for b in range(len(lengths))]
+    host = {"index": [start + p - 1 + t for start, p, r in zip(starts, prompts, responses) for t in range(r)],
+            "slots": [row * R + t for row, r in enumerate(responses) for t in range(r)]}
+    if padding_free:
+        host.update(tokens=[b * T + t for b, n in enumerate(lengths) for t in range(n)],
+                    positions=[t for n in lengths for t in range(n)], cu_seq_lens=[0, *itertools.accumulate(lengths)])
+    on_device = to_device(host, device)
+    if padding_free:
+        input_ids = padded.flatten()[on_device["tokens"]][None]  # [1, S]
+        positions = on_device["positions"][None]  # [1, S]
+        packing = {"cu_seq_lens_q": on_device["cu_seq_lens"].int(), "max_length_q": T, "packed_lengths": lengths}
+        packing.update(cu_seq_lens_k=packing["cu_seq_lens_q"], max_length_k=T)
     else:
-        starts, input_ids = [b * T for b in range(len(lengths))], padded
+        input_ids, packing = padded, {}
         positions = torch.arange(T, device=device).expand(len(lengths), T)  # [b, T]
-    index = torch.tensor([start + p - 1 + t for start, p, r in zip(starts, prompts, responses) for t in range(r)])
     images = vision_inputs(model, input_ids, batch.get("vision"))
     if padding_free and is_vision_language(model.config):  # each sequence's 3-D M-RoPE positions, then packed
         valid = torch.arange(T) < torch.tensor(lengths)[:, None]  # [b, T]
         rope, _ = base_of(model).model.get_rope_index(padded, (padded == model.config.image_token_id).int(),
                                                       image_grid_thw=images.get("image_grid_thw"),
                                                       attention_mask=valid.int().to(device))  # [3, b, T]
-        positions = torch.cat([positions[None], rope.flatten(1)[:, tokens][:, None]])  # [4, 1, S]
+        positions = torch.cat([positions[None], rope.flatten(1)[:, on_device["tokens"]][:, None]])  # [4, 1, S]
     elif images:  # padded, with images: the model computes its own 3-D positions
         positions = None
-    inputs = {"input_ids": input_ids, **images}
+    inputs = {"input_ids": input_ids, **images, **packing}
     if positions is not None:
         inputs["position_ids"] = positions
-    return inputs, index.to(device)
+    return inputs, on_device["index"], on_device["slots"]
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -207,7 +217,7 @@ def response_logprobs(model, batch: dict, temperature: float, padding_free: bool
 
     A vision-language model's image placeholder tokens get the engines' logit bias (vision.py).
     """
-    inputs, index = forward_inputs(model, batch, padding_free)
+    inputs, index, slots = forward_inputs(model, batch, padding_free)
     captured = []
     decoder = base_of(model).model  # a causal LM's decoder; a vision-language model's model (vision + language)
     hook = decoder.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
@@ -217,8 +227,6 @@ def response_logprobs(model, batch: dict, temperature: float, padding_free: bool
         hook.remove()
     hidden = captured[0].flatten(0, 1)[index]  # [N, H]: the positions that predict the response tokens
     b, R = batch["responses"].shape
-    slots = torch.tensor([row * R + t for row, r in enumerate(batch["response_lengths"]) for t in range(r)],
-                         device=index.device)  # [N]: each valid response token's place in the [b, R] layout
     values = head_logprobs(model.get_output_embeddings(), hidden, batch["responses"].flatten()[slots], temperature,
                            placeholder_token_ids(model.config))  # [N]
     return values.new_zeros(b * R).index_copy(0, slots, values).view(b, R)  # [b, R], 0 on padding

@@ -159,7 +159,7 @@ def part_update(args) -> dict:
     def bare():
         for rows in plan:
             micro = select(batch, rows)
-            inputs, index = forward_inputs(model, micro, padding_free=True)
+            inputs, index, _ = forward_inputs(model, micro, padding_free=True)
             logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[index].float()  # [N, V]
             targets = micro["responses"][micro["response_mask"].bool()]
             (-torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum() / tokens).backward()
@@ -224,7 +224,7 @@ def part_logits(args) -> dict:
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in spread_batch(args, 100).items()}
     before = torch.cuda.memory_allocated() if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if args.full:
-        inputs, index = forward_inputs(model, batch, padding_free=True)
+        inputs, index, _ = forward_inputs(model, batch, padding_free=True)
         logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[index].float()  # [N, V]
         targets = batch["responses"][batch["response_mask"].bool()]
         torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum().backward()

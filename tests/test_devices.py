@@ -83,7 +83,10 @@ class StandIn(torch.nn.Module):
     def get_output_embeddings(self):
         return self.head
 
-    def forward(self, input_ids, position_ids, logits_to_keep, use_cache=False):
+    def forward(self, input_ids, position_ids, logits_to_keep, use_cache=False, **packing):
+        """`packing`: what a packed row tells the attention (cu_seq_lens_q, ...), which the stand-in has none of;
+        its tensors must be on the data's device too."""
+        assert_on(input_ids.device, *(v for v in packing.values() if isinstance(v, torch.Tensor)))
         hidden = self.model(input_ids, position_ids[0] if position_ids.dim() == 3 else position_ids)  # [4, 1, S]: text row
         return SimpleNamespace(logits=self.head(hidden.last_hidden_state[:, logits_to_keep]))
 

@@ -11,10 +11,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from attention import PACKED_SDPA, packed_sdpa_attention, packed_sdpa_mask
 from fsdp_utils import load_sharded_model, process_group_backend, save_hf_model, stream_full_weights
-from logprobs import batched_logprobs, make_batch
+from logprobs import batched_logprobs, make_batch, response_logprobs
 from lora import LoRAConfig, add_adapters, adapters_off
 from tiny import build_tiny_model
 
@@ -132,3 +133,40 @@ def test_no_unit_stays_gathered_after_a_pass_without_backward(world_of_one, tmp_
         batched_logprobs(model, batch, temperature=1.0, micro_batch_size=2)
     gathered = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
     assert not gathered, f"left gathered after the pass: {gathered}"
+
+
+def test_the_packing_reaches_the_attention_once_per_forward(tmp_path):
+    """A packed micro-batch's attention calls get the packing from the host: cu_seq_lens and max lengths (flash-attn
+    skips re-deriving them from the position ids in every layer, three host syncs a layer) and the lengths themselves
+    (packed_sdpa, which read them off the position ids on the device once a layer before). A recording attention
+    implementation sees what transformers passes down; the log-probs are packed_sdpa's."""
+    seen = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        seen.append({k: kwargs.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                                                "packed_lengths")})
+        return packed_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("recording", recording)
+    AttentionMaskInterface.register("recording", packed_sdpa_mask)
+    path = build_tiny_model("qwen2", tmp_path / "qwen2")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="recording")
+    batch = make_batch([[1, 40, 41], [1, 42]], [[43, 2], [44, 45, 2]], pad_id=0)
+    packed = response_logprobs(model, batch, temperature=1.0)
+    assert len(seen) == model.config.num_hidden_layers
+    for call in seen:
+        assert call["cu_seq_lens_q"].dtype == torch.int32 and call["cu_seq_lens_q"].tolist() == [0, 5, 10]
+        assert call["cu_seq_lens_k"] is call["cu_seq_lens_q"] and call["max_length_q"] == call["max_length_k"] == 5
+        assert call["packed_lengths"] == [5, 5] and isinstance(call["max_length_q"], int)
+    model.set_attn_implementation(PACKED_SDPA)
+    torch.testing.assert_close(packed, response_logprobs(model, batch, temperature=1.0, padding_free=False))
+
+
+def test_packed_sdpa_needs_nothing_from_the_device():
+    """On `meta` any read of a tensor's values fails, as a host sync would stall a GPU: packed_sdpa runs there,
+    splitting the row by the host-side lengths."""
+    query = key = value = torch.empty(1, 2, 5, 4, device="meta")
+    module = torch.nn.Module()
+    out, _ = packed_sdpa_attention(module, query, key, value, None, packed_lengths=[3, 2],
+                                   position_ids=torch.empty(1, 5, dtype=torch.long, device="meta"))
+    assert out.shape == (1, 5, 2, 4) and out.device.type == "meta"

@@ -65,11 +65,11 @@ def test_make_batch_layout():
 def test_packed_layout_by_hand(model):
     """The docstring's example: two sequences back to back, positions restarting, the predicting positions."""
     batch = make_batch([[5, 6], [7]], [[8, 9], [10]], pad_id=0)
-    inputs, index = forward_inputs(model, batch, padding_free=True)
+    inputs, index, _ = forward_inputs(model, batch, padding_free=True)
     assert inputs["input_ids"].tolist() == [[5, 6, 8, 9, 7, 10]]
     assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1]]
     assert index.tolist() == [1, 2, 4]
-    inputs, index = forward_inputs(model, batch, padding_free=False)  # padded: rows of the longest, 4 tokens
+    inputs, index, _ = forward_inputs(model, batch, padding_free=False)  # padded: rows of the longest, 4 tokens
     assert inputs["input_ids"].tolist() == [[5, 6, 8, 9], [7, 10, 0, 0]] and index.tolist() == [1, 2, 4]
 
 
