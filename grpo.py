@@ -53,7 +53,7 @@ from fsdp_utils import (HF_MARKER, TrainingState, all_reduce, check_model_source
 from logprobs import batched_logprobs, make_batch, micro_batches, response_logprobs, select
 from lora import LoRAConfig, adapters_off, base_of
 from memory import check_run_memory
-from metrics import PhaseTimer, logprob_metrics, peak_memory_gib, score_metrics, step_line
+from metrics import PhaseTimer, logprob_metrics, peak_memory, score_metrics, step_line
 from optimizer import build_optimizer, lr_lambda
 from rewards import RewardConfig, RewardFunction, RewardInput
 from rollout import Response, RolloutConfig, build_rollout, vllm_environment
@@ -867,8 +867,7 @@ def main(cfg: Config) -> None:
             sequence_tokens = all_reduce({"tokens": sum(batch["prompt_lengths"]) + sum(batch["response_lengths"])},
                                          device)["tokens"]
             metrics.update({"timing/step": step_time, "perf/tokens_per_s": sequence_tokens / step_time,
-                            "perf/peak_memory_gib": all_reduce({"peak": peak_memory_gib(device)}, device,
-                                                               dist.ReduceOp.MAX)["peak"]})
+                            **all_reduce(peak_memory(device), device, dist.ReduceOp.MAX)})
             metrics = to_floats(metrics)  # the one device-to-host copy of the step's numbers
             history.append({"step": step, **metrics})
             trackers.log_generations(samples, step)

@@ -6,24 +6,35 @@ Size a run by hand (prints the per-GPU table; exits with the refusal message if 
 What is estimated, per GPU: P parameters, W GPUs, T tokens per micro-batch (micro_batch_size x max_seq_len, or
 the token budget --actor.max-tokens-per-micro-batch), L layers, h hidden size, I MLP width, V vocabulary,
 p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of AdamW moments per parameter
-(2p with torch's AdamW, 4 with --actor.optimizer adamw_bf16). Two phases of a training step must each fit:
+(2p with torch's AdamW, 4 with --actor.optimizer adamw_bf16). What is resident at each point of a step must fit:
 - rollout (the engine generates, the trainer waits):
     actor: params + AdamW's m and v, sharded: (p + m)P/W, fp32: 12P/W (no gradients: zero_grad(set_to_none=True))
     reference (only with KL): bf16 params, sharded: 2P/W
     (both 0 with --actor.offload-while-generating or --actor.fsdp-cpu-offload: they wait in host memory;
-    LoRA: 2P/W, the frozen bf16 base, in both phases, and no reference: the base with its adapters off is one)
-    vLLM: its whole budget, gpu_memory_utilization x GPU memory (weights 2P/tp and KV cache live inside it);
+    LoRA: 2P/W, the frozen bf16 base, in every phase, and no reference: the base with its adapters off is one)
+    vLLM: its whole budget, gpu_memory_utilization x GPU memory, on top of what the process holds (vLLM 0.32
+      measures from its own start); inside it: weights 2P/tp, its profiling run's peak, CUDA graphs, KV cache;
     or the HF engine: the model gathered in bf16 (2P) + the KV cache of one micro-batch (T x L x 2 x kv_heads x head_dim x 2)
     overhead: 2 GiB (CUDA context, NCCL buffers, allocator fragmentation)
+- sync (vLLM engine only: its weights are awake and reloaded, its KV cache not yet; rollout.sync_weights):
+    actor and reference as in training (the state leaves, when offloaded, only before the KV cache wakes)
+    vLLM weights 2P/tp, one full tensor being streamed in bf16 (the largest: embedding or MLP matrix), and its
+      CUDA graphs (1 GiB; their pool is not freed by sleep), overhead
 - training (forward/backward of one micro-batch; vLLM asleep, its weights and KV cache off the GPU):
-    actor with gradients: (2p + m)P/W, fp32: 16P/W; reference 2P/W (0 under FSDP2's CPU offload)
+    actor with gradients: (2p + m)P/W, fp32: 16P/W; reference 2P/W (0 under FSDP2's CPU offload; every unit,
+      the root included, is resharded after the no-grad passes)
     FSDP units gathered in bf16: 2 x (root + 2 x layer); the root (embeddings, final norm, untied head) stays
-      gathered, and about two decoder layers are gathered at once (the current one and the prefetched next)
+      gathered through forward and backward, and about two decoder layers are gathered at once (the current one
+      and the prefetched next)
+    unsharded gradients in flight: bf16 gradients of the root (kept until the end of the backward) and of two
+      layers, 2 x (root + 2 x layer), plus one unit's fp32 copy for its reduce-scatter, 4 x max(root, layer)
+      (none for LoRA's frozen base)
     activations: T x L x (17h + 8I) bytes; with gradient checkpointing T x (2hL + 17h + 8I) (every layer's
       input, plus one layer's activations while it is recomputed)
-    logits for the log-probs: one chunk of c = min(T, logprobs.CHUNK_TOKENS) tokens, c x V x (2 + 4 + 4) bytes
-      (bf16 logits, fp32 copy, their gradient): the output head runs a chunk at a time, never on all T tokens
-    overhead: 2 GiB
+    logits for the log-probs: one chunk of c = min(T, logprobs.CHUNK_TOKENS) tokens, c x V x 16 bytes (bf16
+      logits, their fp32 copy, the log-softmax's fp32 intermediate, the fp32 and bf16 gradients): the output head
+      runs a chunk at a time, never on all T tokens
+    vLLM's CUDA graphs (1 GiB), overhead: 2 GiB
 Design decisions:
 - It runs at start-up, before any weights load: a run that cannot fit fails in seconds with the flags to
   change, not with a CUDA OOM after minutes of loading. The config is all it needs; the parameter counts
@@ -33,10 +44,14 @@ Design decisions:
   that flash attention never stores. Their 34h is 15h for attention and norms plus 19h for a 4h GeLU MLP;
   the gated MLPs of Llama and Qwen (width I) store their input (2h) and four I-wide tensors (gate, up,
   silu(gate), their product: 8I), hence 17h + 8I per token per layer.
+- vLLM must start inside its budget: its bf16 weights, its profiling run's peak (a forward of its default
+  max_num_batched_tokens, 16,384 on GPUs of 70 GiB and more, else 8,192: T' x (2I + 4h) x 2 bytes, and fp32
+  sampler logits of its max_num_seqs, 1,024 or 256: x V x 8 bytes), its CUDA graphs (1 GiB unless
+  --rollout.enforce-eager) and at least 1 GiB of KV cache.
 - Assumptions that make it an estimate: every sequence at full length (an upper bound); bf16 compute;
-  ignored are the fp32 gradient of a unit waiting for its reduce-scatter, vLLM's CUDA graphs and
-  activation peak inside its budget, and caching beyond the fixed overhead. `perf/peak_memory_gib` in a
-  real run's metrics is the measurement to trust.
+  CUDA graphs and caching beyond the fixed overhead are constants, not measurements.
+  `perf/peak_memory_gib` (allocated) and `perf/peak_memory_reserved_gib` (what sizing needs: the allocator's
+  cache included) in a real run's metrics are the measurements to trust.
 """
 
 import argparse
@@ -54,6 +69,10 @@ GiB = 2**30
 OVERHEAD = "CUDA context, NCCL, fragmentation"
 REFERENCE = "reference: bf16 params"
 VLLM = "vLLM: weights + KV cache budget"
+VLLM_WEIGHTS = "vLLM: bf16 weights (reloading)"
+VLLM_GRAPHS = "vLLM: CUDA graphs (kept while asleep)"
+STREAMED = "one streamed tensor, bf16"
+GRADIENTS = "unsharded gradients in flight"
 HF_KV_CACHE = "HF engine: KV cache"
 ACTIVATIONS = "activations"
 ACTOR_STATE = "actor: params + AdamW states"
@@ -93,29 +112,41 @@ def gib(n: int) -> str:
 class MemoryEstimate:
     rollout: dict[str, int]
     """Rollout phase, item -> bytes per GPU: the trainer's resident state while the engine generates."""
+    sync: dict[str, int]
+    """Weight sync, item -> bytes per GPU: vLLM's weights awake, its KV cache not yet; empty for the HF engine."""
     training: dict[str, int]
     """Training phase, item -> bytes per GPU: forward and backward of one micro-batch, vLLM asleep."""
     gpu_bytes: int
     """Memory of one GPU."""
     vllm_needs: int = 0
-    """Bytes vLLM's budget must hold to start: its weights (2P / tensor_parallel_size) + 1 GiB of KV cache; 0: HF engine."""
+    """Bytes vLLM's budget must hold to start: weights (2P / tensor_parallel_size), its profiling peak, CUDA graphs,
+    1 GiB of KV cache; 0: HF engine."""
 
     @property
     def rollout_total(self) -> int:
         return sum(self.rollout.values())
 
     @property
+    def sync_total(self) -> int:
+        return sum(self.sync.values())
+
+    @property
     def training_total(self) -> int:
         return sum(self.training.values())
 
+    def phases(self) -> list[tuple[str, dict[str, int], int]]:
+        """(name, items, total) of each phase the run goes through, in the order of a step."""
+        return [(name, items, sum(items.values())) for name, items in
+                (("rollout", self.rollout), ("sync", self.sync), ("training", self.training)) if items]
+
     def table(self) -> str:
         lines = [f"per-GPU memory estimate, GiB (GPU: {gib(self.gpu_bytes)} GiB)"]
-        for phase, items, total in (("rollout", self.rollout, self.rollout_total),
-                                    ("training", self.training, self.training_total)):
+        for phase, items, total in self.phases():
             lines.append(f"{phase + ' phase':<44}{gib(total):>7}  {'fits' if total <= self.gpu_bytes else 'DOES NOT FIT'}")
             lines += [f"  {name:<42}{gib(size):>7}" for name, size in items.items()]
         if self.vllm_needs:
-            lines.append(f"vLLM needs {gib(self.vllm_needs)} of its {gib(self.rollout[VLLM])} budget (weights + 1 GiB KV cache)")
+            lines.append(f"vLLM needs {gib(self.vllm_needs)} of its {gib(self.rollout[VLLM])} budget (weights, profiling, "
+                         "CUDA graphs, 1 GiB KV cache)")
         return "\n".join(lines)
 
     __str__ = table
@@ -125,7 +156,7 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                     gradient_checkpointing: bool, engine: str = "vllm", gpu_memory_utilization: float = 0.5,
                     tensor_parallel_size: int = 1, max_tokens_per_micro_batch: int = 0, param_bytes: int = 4,
                     moment_bytes: int = 8, cpu_offload: bool = False, offload_while_generating: bool = False,
-                    lora: bool = False) -> MemoryEstimate:
+                    lora: bool = False, enforce_eager: bool = False) -> MemoryEstimate:
     """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
 
     Example: P = 1e9 on W = 4 GPUs with KL, fp32 AdamW -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
@@ -142,9 +173,12 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     state_bytes, training_bytes = param_bytes + moment_bytes, 2 * param_bytes + moment_bytes  # per parameter
     if lora:  # the frozen base in bf16, no gradients or moments for it (the adapters' few are left out)
         state_bytes = training_bytes = 2
+    graphs = {VLLM_GRAPHS: GiB} if engine == "vllm" and not enforce_eager else {}
     if engine == "vllm":
         engine_items = {VLLM: int(gpu_memory_utilization * gpu_bytes)}
-        vllm_needs = 2 * P // tensor_parallel_size + GiB
+        tokens, sequences = (16384, 1024) if gpu_bytes >= 70 * GiB else (8192, 256)  # vLLM 0.32's offline defaults
+        profiling = tokens * (2 * I + 4 * h) * 2 + sequences * V * 8
+        vllm_needs = 2 * P // tensor_parallel_size + profiling + graphs.get(VLLM_GRAPHS, 0) + GiB
     elif engine == "hf":
         heads = text.num_attention_heads
         kv_heads, head_dim = getattr(text, "num_key_value_heads", None) or heads, getattr(text, "head_dim", None) or h // heads
@@ -157,12 +191,16 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     activations = T * (2 * h * L + layer_activations) if gradient_checkpointing else T * L * layer_activations
     rollout = {ACTOR_STATE: resident * state_bytes * P // W,
                **{k: resident * v for k, v in reference.items()}, **engine_items, OVERHEAD: 2 * GiB}
+    sync = {ACTOR_STATE: on_gpu * state_bytes * P // W, **{k: on_gpu * v for k, v in reference.items()},
+            VLLM_WEIGHTS: 2 * P // tensor_parallel_size, STREAMED: 2 * h * max(V, I), **graphs,
+            OVERHEAD: 2 * GiB} if engine == "vllm" else {}
     training = {ACTOR_STATE + " + grads": on_gpu * training_bytes * P // W,
                 **{k: on_gpu * v for k, v in reference.items()},
                 "gathered bf16 units: root + 2 layers": 2 * (root + 2 * layer),
+                GRADIENTS: 0 if lora else 2 * (root + 2 * layer) + 4 * max(root, layer),
                 ACTIVATIONS + (" (checkpointed)" if gradient_checkpointing else ""): activations,
-                LOGITS: min(T, CHUNK_TOKENS) * V * (2 + 4 + 4), OVERHEAD: 2 * GiB}
-    return MemoryEstimate(rollout, training, gpu_bytes, vllm_needs)
+                LOGITS: min(T, CHUNK_TOKENS) * V * 16, **graphs, OVERHEAD: 2 * GiB}
+    return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs)
 
 
 def _advice(phase: str, items: dict[str, int], e: MemoryEstimate, options: dict) -> list[str]:
@@ -176,9 +214,11 @@ def _advice(phase: str, items: dict[str, int], e: MemoryEstimate, options: dict)
                    "shorter sequences (`--data.max-prompt-length`, `--rollout.max-response-length`)"]
     if phase == "training":
         advice.append("`--actor.max-tokens-per-micro-batch N` (micro-batches of at most N tokens)")
+    if VLLM_WEIGHTS in items:
+        advice.append("`--rollout.tensor-parallel-size N` (each GPU holds 1/N of the engine's weights)")
     if ACTIVATIONS in items:
         advice.append("`--actor.gradient-checkpointing`")
-    if items.get(ACTOR_STATE):
+    if phase == "rollout" and items.get(ACTOR_STATE):
         advice.append("`--actor.offload-while-generating` (the actor, reference and AdamW states wait in host memory)")
     if not options.get("lora"):
         advice.append("`--lora.rank 64` (LoRA: the frozen base in bf16, no gradients or moments for it, no reference model)")
@@ -200,11 +240,11 @@ def check_memory(model_config, **options) -> MemoryEstimate:
     e = estimate_memory(model_config, **options)
     problems = []
     if e.vllm_needs > e.rollout.get(VLLM, 0):
-        problems.append(f"vLLM cannot start: its budget of {gib(e.rollout[VLLM])} GiB cannot hold its bf16 weights and "
-                        f"1 GiB of KV cache ({gib(e.vllm_needs)} GiB). Raise `--rollout.gpu-memory-utilization` (to at "
+        problems.append(f"vLLM cannot start: its budget of {gib(e.rollout[VLLM])} GiB cannot hold its bf16 weights, "
+                        f"profiling peak, CUDA graphs and 1 GiB of KV cache ({gib(e.vllm_needs)} GiB). Raise `--rollout.gpu-memory-utilization` (to at "
                         f"least {e.vllm_needs / e.gpu_bytes:.2f}) or split the engine's weights over GPUs with "
                         "`--rollout.tensor-parallel-size`.")
-    for phase, items, total in (("rollout", e.rollout, e.rollout_total), ("training", e.training, e.training_total)):
+    for phase, items, total in e.phases():
         if total > e.gpu_bytes:
             biggest = sorted(items.items(), key=lambda item: -item[1])[:3]
             problems.append(f"the {phase} phase does not fit: ~{gib(total)} GiB per GPU, the GPU has {gib(e.gpu_bytes)} GiB "
@@ -229,7 +269,8 @@ def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> M
                         tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                         max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
                         **precision(cfg.actor.dtype, cfg.actor.optimizer), cpu_offload=cfg.actor.fsdp_cpu_offload,
-                        offload_while_generating=cfg.actor.offload_while_generating, lora=cfg.lora.rank > 0)
+                        offload_while_generating=cfg.actor.offload_while_generating, lora=cfg.lora.rank > 0,
+                        enforce_eager=cfg.rollout.enforce_eager)
 
 
 def precision(dtype: str, optimizer: str) -> dict[str, int]:
@@ -258,7 +299,7 @@ def gpus_needed(model_config, gpu_bytes: int, **options) -> tuple[int, int] | No
         for tp in (2**k for k in range(world.bit_length())):
             e = estimate_memory(model_config, world_size=world, gpu_bytes=gpu_bytes, tensor_parallel_size=tp, **options)
             if e.vllm_needs <= e.rollout[VLLM]:
-                if e.rollout_total <= gpu_bytes and e.training_total <= gpu_bytes:
+                if all(total <= gpu_bytes for _, _, total in e.phases()):
                     return world, tp
                 break
     return None

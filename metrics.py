@@ -73,10 +73,14 @@ def score_metrics(prefix: str, groups: list, device: torch.device) -> dict[str, 
     return metrics
 
 
-def peak_memory_gib(device: torch.device) -> float:
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """This process's peak memory, GiB: on a GPU what tensors held (`perf/peak_memory_gib`) and what the allocator
+    reserved for them (`perf/peak_memory_reserved_gib`: its cache included, what sizing a run needs); on a CPU the
+    process's peak resident memory."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+        return {"perf/peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "perf/peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {"perf/peak_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # Linux reports KiB
 
 
 def step_line(step: int, metrics: dict[str, float]) -> str:

@@ -14,9 +14,15 @@ Parts (one line each on the console, all figures in OUT/gpu_check.json):
 4. update: one `grpo.update_policy` of a Qwen2.5-1.5B-shaped random model (64 sequences of 1,024 tokens):
    tokens/s, peak memory and MFU, counting 6 x (matmul parameters) + 12 x layers x hidden x sequence length
    FLOPs per token (PaLM, appendix B) against the bf16 dense peak (`--peak-tflops`, H100/H200: 989).
-5. paths: packed against padded log-probs (bf16 on GPU) on a Qwen2.5-0.5B shape, and two updates with the actor
-   and AdamW moved to the host and back before each against two without: the same weights, the memory freed.
+5. paths: on a Qwen2.5-0.5B shape, under the process group a --actor.fsdp-cpu-offload run gets (NCCL, and gloo
+   for host tensors): which attention implementation runs; packed against padded log-probs (bf16 on GPU); device
+   memory before and after a no-grad pass with and without resharding the root (the reference's pass); two updates
+   each of: the plain actor twice (GPU kernels are not bitwise deterministic: the baseline), the actor and AdamW
+   moved to the host and back before each (offload while generating), and the actor under FSDP2's CPU offload
+   (its update and its weight stream through NCCL); the weights of each against the plain run's, next to the
+   baseline, and the memory the move frees.
 `--cpu` runs parts 2-5 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here.
+Well under ten minutes on one H200, so that a lent GPU's time holds two runs.
 """
 
 import argparse
@@ -100,8 +106,8 @@ def part_update(args) -> dict:
     from fsdp_utils import init_distributed, load_sharded_model
     from grpo import Config, update_policy
     from logprobs import batched_logprobs, make_batch
-    from metrics import peak_memory_gib
     from memory import count_parameters
+    from metrics import peak_memory
 
     _, _, device = init_distributed()
     actor = load_sharded_model(args.model, device, trainable=True)
@@ -130,21 +136,21 @@ def part_update(args) -> dict:
     matmul_parameters = count_parameters(c) - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
     flops = tokens * (6 * matmul_parameters + 12 * c.num_hidden_layers * c.hidden_size * (prompt_len + response_len))
     return {"parameters": count_parameters(c), "tokens": tokens, "update_s": seconds, "tokens_per_s": tokens / seconds,
-            "peak_memory_gib": peak_memory_gib(device),
+            **{key.removeprefix("perf/"): value for key, value in peak_memory(device).items()},
             "mfu": flops / seconds / (args.peak_tflops * 1e12) if device.type == "cuda" else None}
 
 
 def part_paths(args) -> dict:
-    """The training paths of logprobs.py and the offload on the device: packed against padded log-probs in the
-    compute dtype, and two updates with the actor and AdamW states moved to the host and back before each,
-    against two without (the same weights), with the device memory the move frees."""
+    """The training paths of logprobs.py, attention.py and the two offloads on the device (module docstring)."""
     import torch
 
-    from fsdp_utils import init_distributed, load_sharded_model, move_training_state
+    from attention import attention_implementation
+    from fsdp_utils import init_distributed, load_sharded_model, move_training_state, stream_full_weights
     from grpo import Config, update_policy
-    from logprobs import batched_logprobs, make_batch
+    from logprobs import batched_logprobs, make_batch, response_logprobs
 
-    _, _, device = init_distributed()
+    _, _, device = init_distributed(cpu_offload=True)  # NCCL for the device, gloo for FSDP2 CPU offload's host tensors
+    allocated = (lambda: torch.cuda.memory_allocated() / 2**30) if device.type == "cuda" else (lambda: 0.0)
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(8, 64 if args.cpu else 1024, (16,), generator=generator).tolist()
     actor = load_sharded_model(args.model, device, trainable=True)
@@ -152,27 +158,44 @@ def part_paths(args) -> dict:
     batch = make_batch(random_ids(generator, 16, 32, vocab), [random_ids(generator, 1, n, vocab)[0] for n in lengths], 0,
                        device=device)
     packed, padded = (batched_logprobs(actor, batch, 1.0, 8, padding_free=free) for free in (True, False))
+    reference = load_sharded_model(args.model, device, trainable=False, dtype=torch.bfloat16 if device.type == "cuda"
+                                   else torch.float32)
+    before = allocated()
+    with torch.no_grad():
+        response_logprobs(reference, batch, 1.0)  # FSDP2 alone: the root stays gathered
+    root_left_gathered = allocated() - before
+    batched_logprobs(reference, batch, 1.0, 8)  # the trainer's pass: resharded after
+    after_reshard = allocated() - before
+    del reference
     cfg = Config()
     cfg.rollout.n, cfg.trainer.rollout_batch_size, cfg.trainer.global_batch_size = 16, 1, 1
     cfg.actor.micro_batch_size, cfg.algorithm.use_kl_loss = 8, False
     advantages = torch.randn(16, 1, generator=generator).to(device) * batch["response_mask"]
-    weights, freed = [], 0.0
-    for offload in (False, True):
+    weights, freed, streamed = {}, 0.0, 0
+    for run in ("plain", "plain again", "offload while generating", "fsdp cpu offload"):
         torch.manual_seed(0)
-        actor = load_sharded_model(args.model, device, trainable=True)
+        actor = load_sharded_model(args.model, device, trainable=True, cpu_offload=run == "fsdp cpu offload")
         optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5)
         for _ in range(2):
-            if offload:
-                before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+            if run == "offload while generating":
+                before = allocated()
                 move_training_state("cpu", [actor], optimizer)
-                freed = (before - (torch.cuda.memory_allocated() if device.type == "cuda" else 0)) / 2**30
+                freed = before - allocated()
                 move_training_state(device, [actor], optimizer)
             update_policy(actor, optimizer, batch, None, None, advantages, cfg)
-        weights.append([p.full_tensor().float() for p in actor.parameters()])
+        if run == "fsdp cpu offload":  # the engine's stream: each host shard gathered on the device
+            streamed = sum(t.numel() for _, t in stream_full_weights(actor, torch.bfloat16, device))
+        weights[run] = [p.full_tensor().float() for p in actor.parameters()]
+
+    def difference(run: str) -> float:
+        return max((a.to(device) - b.to(device)).abs().max().item() for a, b in zip(weights["plain"], weights[run]))
+
     mask = batch["response_mask"].bool()
-    return {"packed_vs_padded_max": (packed - padded)[mask].abs().max().item(), "tokens": int(mask.sum()),
-            "offload_weight_diff_max": max((a - b).abs().max().item() for a, b in zip(*weights)),
-            "offload_freed_gib": freed}
+    return {"attention": attention_implementation(device), "packed_vs_padded_max": (packed - padded)[mask].abs().max().item(),
+            "tokens": int(mask.sum()), "reference_root_left_gathered_gib": root_left_gathered,
+            "reference_after_reshard_gib": after_reshard, "nondeterminism_max": difference("plain again"),
+            "offload_weight_diff_max": difference("offload while generating"), "offload_freed_gib": freed,
+            "fsdp_cpu_offload_weight_diff_max": difference("fsdp cpu offload"), "fsdp_cpu_offload_streamed": streamed}
 
 
 # ---------------------------------------------------------------- parts that launch processes

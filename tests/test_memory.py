@@ -6,8 +6,8 @@ import pytest
 from transformers import Qwen2Config
 
 import memory
-from memory import (ACTIVATIONS, ACTOR_STATE, LOGITS, OVERHEAD, REFERENCE, VLLM, GiB, check_memory, count_parameters,
-                    estimate_memory, gpus_needed, hardware_table)
+from memory import (ACTIVATIONS, ACTOR_STATE, GRADIENTS, LOGITS, OVERHEAD, REFERENCE, STREAMED, VLLM, VLLM_GRAPHS,
+                    VLLM_WEIGHTS, GiB, check_memory, count_parameters, estimate_memory, gpus_needed, hardware_table)
 
 QWEN_7B = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
@@ -51,16 +51,26 @@ def test_tied_embeddings_are_counted_once():
 
 def test_every_item_against_hand_computed_numbers():
     P, W, h, I, L, V = qwen2_parameters(TINY), 4, 64, 160, 3, 1000
-    T = 4 * 2048
+    T, root, layer = 4 * 2048, qwen2_root_parameters(TINY), qwen2_layer_parameters(TINY)
     with_kl = estimate_memory(TINY, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
     assert with_kl.rollout == {ACTOR_STATE: 12 * P // W, REFERENCE: 2 * P // W, VLLM: int(0.5 * GPU_80GB),
                                OVERHEAD: 2 * GiB}
+    # the sync: the training state still resident, vLLM's weights reloaded, its KV cache not yet awake
+    assert with_kl.sync == {ACTOR_STATE: 12 * P // W, REFERENCE: 2 * P // W, VLLM_WEIGHTS: 2 * P,
+                            STREAMED: 2 * h * V, VLLM_GRAPHS: GiB, OVERHEAD: 2 * GiB}
     assert with_kl.training == {
         ACTOR_STATE + " + grads": 16 * P // W, REFERENCE: 2 * P // W,
-        "gathered bf16 units: root + 2 layers": 2 * (qwen2_root_parameters(TINY) + 2 * qwen2_layer_parameters(TINY)),
-        ACTIVATIONS: T * L * (17 * h + 8 * I), LOGITS: 1024 * V * 10, OVERHEAD: 2 * GiB}  # one 1024-token head chunk
-    assert with_kl.vllm_needs == 2 * P + GiB
+        "gathered bf16 units: root + 2 layers": 2 * (root + 2 * layer),
+        GRADIENTS: 2 * (root + 2 * layer) + 4 * max(root, layer),  # bf16 in flight, one unit's fp32 reduce-scatter
+        ACTIVATIONS: T * L * (17 * h + 8 * I), LOGITS: 1024 * V * 16,  # one 1024-token head chunk, 16 bytes a logit
+        VLLM_GRAPHS: GiB, OVERHEAD: 2 * GiB}
+    # vLLM starts inside its budget: weights, a profiling forward of 16,384 tokens and 1,024 sequences' fp32 logits
+    # (its defaults on a GPU of 70 GiB or more), CUDA graphs, 1 GiB of KV cache
+    assert with_kl.vllm_needs == 2 * P + 16384 * (2 * I + 4 * h) * 2 + 1024 * V * 8 + GiB + GiB
     assert with_kl.training_total == sum(with_kl.training.values())
+    eager = estimate_memory(TINY, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=False, enforce_eager=True,
+                            **RUN)
+    assert VLLM_GRAPHS not in eager.training and eager.vllm_needs == with_kl.vllm_needs - GiB
 
     without_kl = estimate_memory(TINY, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=False,
                                  **{**RUN, "kl": False})
@@ -95,14 +105,16 @@ def test_precision_offload_and_token_budget_by_hand():
     assert bf16.rollout[ACTOR_STATE] == 6 * P // W and bf16.training[ACTOR_STATE + " + grads"] == 8 * P // W
     generating = estimate_memory(TINY, offload_while_generating=True, **options)
     assert generating.rollout[ACTOR_STATE] == generating.rollout[REFERENCE] == 0
-    assert generating.training[ACTOR_STATE + " + grads"] == 16 * P // W  # back on the GPU to train
+    # resident while vLLM reloads its weights (it leaves before the KV cache wakes), and to train
+    assert generating.sync[ACTOR_STATE] == 12 * P // W and generating.sync[REFERENCE] == 2 * P // W
+    assert generating.training[ACTOR_STATE + " + grads"] == 16 * P // W
     offloaded = estimate_memory(TINY, cpu_offload=True, **options)
     assert offloaded.training[ACTOR_STATE + " + grads"] == offloaded.training[REFERENCE] == 0
     lora = estimate_memory(TINY, lora=True, **options)  # the bf16 base only, and no reference model
     assert lora.rollout[ACTOR_STATE] == lora.training[ACTOR_STATE + " + grads"] == 2 * P // W
     assert REFERENCE not in lora.rollout and REFERENCE not in lora.training
     budget = estimate_memory(TINY, max_tokens_per_micro_batch=512, **options)
-    assert budget.training[ACTIVATIONS] == 512 * L * (17 * h + 8 * I) and budget.training[LOGITS] == 512 * 1000 * 10
+    assert budget.training[ACTIVATIONS] == 512 * L * (17 * h + 8 * I) and budget.training[LOGITS] == 512 * 1000 * 16
 
 
 def test_the_hardware_table_uses_fewer_gpus_with_bf16_states():
@@ -163,7 +175,7 @@ def test_a_vllm_budget_too_small_for_its_weights_is_refused_until_tensor_paralle
     message = str(refusal.value)
     assert "vLLM cannot start" in message and "phase does not fit" not in message
     assert "--rollout.gpu-memory-utilization" in message and "--rollout.tensor-parallel-size" in message
-    check_memory(QWEN_7B, tensor_parallel_size=4, **small_budget)  # 3.8 GB of weights each + 1 GiB of KV cache
+    check_memory(QWEN_7B, tensor_parallel_size=8, **small_budget)  # 1.9 GB of weights each, profiling, graphs, KV
 
 
 def test_unknown_engine_is_an_error():
@@ -202,3 +214,17 @@ def test_the_trainer_passes_its_flags_to_the_check(tmp_path):
     assert check_run_memory(cfg, str(tmp_path), world_size=256, gpu_bytes=GPU_80GB) == estimate_memory(
         QWEN_7B, world_size=256, gpu_bytes=GPU_80GB, kl=False, micro_batch_size=2, max_seq_len=2048,
         gradient_checkpointing=False, engine="hf")
+
+
+def test_an_offloading_run_is_checked_where_the_state_meets_the_engine_weights():
+    """--actor.offload-while-generating frees the rollout phase, but the state is back on the GPU when vLLM's weights
+    wake for the sync (it leaves before the KV cache wakes): there the two meet, and that transition is checked. Before,
+    the state counted as 0 while generating and nothing else was checked, so such a run was admitted."""
+    options = dict(world_size=16, gpu_bytes=24 * GiB, gradient_checkpointing=True, offload_while_generating=True,
+                   gpu_memory_utilization=0.85, **{**RUN, "micro_batch_size": 1})
+    with pytest.raises(SystemExit) as refusal:
+        check_memory(QWEN_7B, **options)
+    message = str(refusal.value)
+    assert "the sync phase does not fit" in message and "rollout phase does not fit" not in message
+    assert "training phase does not fit" not in message and "--rollout.tensor-parallel-size N" in message
+    check_memory(QWEN_7B, tensor_parallel_size=2, **options)  # half the engine's weights per GPU
