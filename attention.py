@@ -1,4 +1,4 @@
-"""Attention for packed sequences: flash-attn's varlen kernels where installed (GPU), else torch's sdpa run on each
+"""Attention for packed sequences: flash-attn's varlen kernels where they run (GPU), else torch's sdpa run on each
 sequence of a packed row ("packed_sdpa", registered with transformers here).
 
 The trainer packs a micro-batch's sequences into one row with position ids restarting at 0 for each
@@ -17,7 +17,7 @@ Everything else goes to transformers' sdpa unchanged: padded batches with a mask
 one token at a time against a KV cache, the vision towers (bidirectional, split by their own cu_seqlens).
 """
 
-import importlib.util
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +64,33 @@ AttentionMaskInterface.register(PACKED_SDPA, packed_sdpa_mask)
 
 
 def attention_implementation(device: torch.device) -> str:
-    """flash-attn (varlen kernels for packed sequences) where it is installed on a GPU; else packed_sdpa."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return PACKED_SDPA
+    """flash-attn (varlen kernels for packed sequences) where it works on a GPU; else packed_sdpa."""
+    return "flash_attention_2" if flash_attn_problem(device.type) is None else PACKED_SDPA
+
+
+def attention_line(device: torch.device) -> str:
+    """The console's line on which attention the trainer runs, and why."""
+    problem = flash_attn_problem(device.type)
+    if problem is None:
+        return "attention: flash-attn's varlen kernels (flash_attention_2)"
+    return f"attention: torch's sdpa once per packed sequence (packed_sdpa); flash-attn: {problem}"
+
+
+@functools.cache
+def flash_attn_problem(device_type: str) -> str | None:
+    """Why flash-attn cannot run the trainer's attention here (None: it can). A package that is present can still
+    fail: built for another torch or CUDA (an undefined symbol on import), or for another GPU architecture (at the
+    first kernel), so it must import and run one small varlen call, not merely be found."""
+    if device_type != "cuda":
+        return "GPU only"
+    try:
+        from flash_attn import flash_attn_varlen_func
+
+        q = torch.randn(4, 1, 64, device=device_type, dtype=torch.bfloat16)  # [tokens, heads, head_dim]
+        cu_seqlens = torch.tensor([0, 4], dtype=torch.int32, device=device_type)
+        flash_attn_varlen_func(q, q, q, cu_seqlens, cu_seqlens, 4, 4, causal=True)
+    except ImportError as error:
+        return "not installed (Install in the README)" if error.name == "flash_attn" else f"does not import: {error}"
+    except Exception as error:  # a kernel or driver error of a mismatched build
+        return f"does not run here: {type(error).__name__}: {error}"
+    return None

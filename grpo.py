@@ -42,6 +42,7 @@ import tyro
 import yaml
 from torch.distributed.tensor import DTensor
 
+from attention import attention_line
 from balance import balance_over_ranks
 from checkpoints import (agree_on_resume_point, load_checkpoint, prepare_run_folder, read_state, save_checkpoint,
                          stop_note)
@@ -742,6 +743,7 @@ def main(cfg: Config) -> None:
     console.print(f"data: {len(train_set)} training prompts ({train_set.num_filtered} longer than "
                   f"{cfg.data.max_prompt_length} tokens dropped), {len(val_set) if val_set else 0} validation prompts; "
                   + val_note)
+    console.print(attention_line(device))
     loader = PromptLoader(train_set, cfg.trainer.rollout_batch_size, rank, world, cfg.data.seed, cfg.data.shuffle)
     val_items = shard(val_set, rank, world) if val_set else []
     reward_fn = RewardFunction(cfg.reward, cfg.rollout.max_response_length, report=report_once)

@@ -92,7 +92,8 @@ def test_the_console_shows_each_step_once_and_no_library_chatter(straight_and_re
                     "saved the trained model to", "done: steps 1-4"):
         assert sum(message in line for line in printed) == 1, output
     assert sum(line.startswith("saved ") and "/checkpoints/step_" in line for line in printed) == 2, output
-    assert len(printed) <= 13, output
+    assert sum(line.startswith("attention: ") for line in printed) == 1, output
+    assert len(printed) <= 14, output
 
 
 def test_resume_onto_one_rank_from_a_two_rank_checkpoint(straight_and_resumed):

