@@ -251,6 +251,7 @@ def test_dynamic_sampling_keeps_only_keep_groups():
 
 @pytest.mark.parametrize("loss_agg_mode, loss_type", [("token-mean", "ppo_clip"), ("seq-mean-token-mean", "gspo"),
                                                       ("seq-mean-token-sum", "cispo")])
+@pytest.mark.slow
 def test_two_ranks_two_micro_batches_equal_one_batch(tmp_path, loss_agg_mode, loss_type):
     """Under torchrun (gloo, FSDP2): 2 ranks x 2 micro-batches give the gradient of the whole batch at once, and so
     do micro-batches by a token budget, of which one rank needs more than the other on its own, and the batch after

@@ -81,6 +81,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_rows_move_whole_between_ranks(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(root=str(ROOT)))

@@ -64,6 +64,7 @@ def straight_and_resumed(tmp_path_factory):
     return tmp_path, straight, run_job(tmp_path, "resumed", 4, *BF16_ADAMW)
 
 
+@pytest.mark.slow
 def test_resume_is_exact(straight_and_resumed):
     """Bitwise on CPU: the same weights, the same metric lines and validation samples (timings aside), each
     step's line once. Holds because nothing a step depends on is left out: weights, AdamW moments, the LR
@@ -83,6 +84,7 @@ def test_resume_is_exact(straight_and_resumed):
     assert tracker["latest"] == 4 and set(tracker["scores"]) == {"2", "4"}
 
 
+@pytest.mark.slow
 def test_the_console_shows_each_step_once_and_no_library_chatter(straight_and_resumed):
     output = straight_and_resumed[1]
     printed = [line for line in output.splitlines() if CPU_NUMA_LINE not in line]
@@ -96,6 +98,7 @@ def test_the_console_shows_each_step_once_and_no_library_chatter(straight_and_re
     assert len(printed) <= 14, output
 
 
+@pytest.mark.slow
 def test_resume_onto_one_rank_from_a_two_rank_checkpoint(straight_and_resumed):
     """DCP reshards: one rank loads the two ranks' shards into exactly the saved weights, and trains on."""
     tmp_path = straight_and_resumed[0]
@@ -111,6 +114,7 @@ def test_resume_onto_one_rank_from_a_two_rank_checkpoint(straight_and_resumed):
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5] and metrics[-1]["rollout/logprob_diff_max"] < 1e-3
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     """Kill the whole job (SIGKILL, no clean-up) while it writes a checkpoint: the next launch resumes from
     the last complete one, discards the unfinished folder, and the metric lines still hold each step once."""

@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 from conftest import ROOT, free_port
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
         "--actor.micro-batch-size", "8"]

@@ -13,6 +13,7 @@ from conftest import ROOT
     ("'13.0'", "0.28.0+cu130", False),   # a GPU install: never touched
     ("None", "0.28.0+cpu", False),       # a matching CPU torchvision: nothing to fix
 ])
+@pytest.mark.slow
 def test_fix_only_where_needed(tmp_path, torch_cuda, torchvision_version, expected):
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("")
@@ -25,6 +26,7 @@ def test_fix_only_where_needed(tmp_path, torch_cuda, torchvision_version, expect
     assert out.strip() == str(expected)
 
 
+@pytest.mark.slow
 def test_transformers_and_torchvision_import_in_a_fresh_process():
     """What every torchrun child and vLLM subprocess relies on (the .pth hook that setup.sh installs)."""
     code = "import torchvision, transformers; from transformers import Qwen2ForCausalLM; print('ok')"

@@ -85,6 +85,7 @@ def user_run(tmp_path_factory):
     return folder, args, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_run_on_user_data_has_its_own_folder_and_no_borrowed_validation(user_run):
     folder, _, output = user_run
     run = folder / "runs" / "tiny-qwen2_questions"  # <model>_<data> without a preset
@@ -96,6 +97,7 @@ def test_a_run_on_user_data_has_its_own_folder_and_no_borrowed_validation(user_r
     assert (run / "final" / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable like the other files
 
 
+@pytest.mark.slow
 def test_launching_a_finished_run_again_changes_nothing(user_run):
     folder, args, _ = user_run
     before = snapshot(folder)
@@ -104,6 +106,7 @@ def test_launching_a_finished_run_again_changes_nothing(user_run):
     assert snapshot(folder) == before  # config.json included: a launch that trains nothing records nothing
 
 
+@pytest.mark.slow
 def test_another_model_is_refused_in_a_run_folder_naming_both(user_run):
     folder, args, _ = user_run
     before = snapshot(folder)
@@ -114,6 +117,7 @@ def test_another_model_is_refused_in_a_run_folder_naming_both(user_run):
     assert_kept(before, folder)
 
 
+@pytest.mark.slow
 def test_the_merger_never_writes_over_files_it_did_not_write(user_run, tmp_path):
     run = user_run[0] / "runs" / "tiny-qwen2_questions"
     before = snapshot(run)
@@ -130,6 +134,7 @@ def test_the_merger_never_writes_over_files_it_did_not_write(user_run, tmp_path)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "my notes"
 
 
+@pytest.mark.slow
 def test_the_merger_replaces_its_own_output_only_when_asked(user_run, tmp_path):
     run, out = user_run[0] / "runs" / "tiny-qwen2_questions", tmp_path / "merged"
 
@@ -171,6 +176,7 @@ def score(inp):
     ("sys.exit(3)", "called sys.exit(3) on sample 2"),
     ("return {'overall': 1e300}", "returned overall=1e+300, beyond float32's range"),
 ])
+@pytest.mark.slow
 def test_a_reward_that_hangs_exits_or_overflows_ends_the_run_with_one_line(tmp_path, body, message):
     reward = tmp_path / "rewards.py"
     reward.write_text(MISBEHAVING_REWARD.format(body=body))
@@ -181,6 +187,7 @@ def test_a_reward_that_hangs_exits_or_overflows_ends_the_run_with_one_line(tmp_p
     assert time.monotonic() - start < 120  # not the collective timeout
 
 
+@pytest.mark.slow
 def test_a_reward_that_hangs_can_be_scored_zero_and_counted(tmp_path):
     reward = tmp_path / "rewards.py"
     reward.write_text(MISBEHAVING_REWARD.format(body="time.sleep(3600)"))
@@ -194,6 +201,7 @@ def test_a_reward_that_hangs_can_be_scored_zero_and_counted(tmp_path):
     assert metrics["train/reward_overall"] == 31 / 32
 
 
+@pytest.mark.slow
 def test_rewards_whose_statistics_overflow_are_reported_not_crashed_on(tmp_path):
     """3e38 is a valid float32 reward, but a group's mean of several overflows: the advantages are NaN, each
     step's optimizer step is skipped and the step line says so; no OverflowError, no torch warning."""
@@ -238,6 +246,7 @@ def model_folder(tmp_path_factory):
     return build_tiny_model("qwen2", tmp_path_factory.mktemp("model") / "tiny")
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_keeps_the_earlier_one_and_resumes(tmp_path, model_folder):
     """5 MiB: the step-1 checkpoint (~4 MiB: weights and AdamW moments) fits, the step-2 one does not."""
     proc, kept, args = train_on_a_small_disk(tmp_path, model_folder, "5m", "--trainer.total-steps", "3",
@@ -251,6 +260,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_earlier_one_and_resumes(tmp_p
     assert f"resumed from {checkpoints / 'step_000001'}" in resumed.stdout
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_the_final_save_leaves_nothing_half_written(tmp_path, model_folder):
     proc, kept, _ = train_on_a_small_disk(tmp_path, model_folder, "1m", "--trainer.total-steps", "1",
                                           "--trainer.save-freq", "0")
@@ -262,6 +272,7 @@ def test_a_full_disk_at_the_final_save_leaves_nothing_half_written(tmp_path, mod
 # ---------------------------------------------------------------- Ctrl-C
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_with_one_line_saying_what_resumes(tmp_path):
     """SIGINT to the whole job, as a terminal's Ctrl-C sends it: one line from the workers, where the run stands and
     what resumes it. torchrun's own traceback of its SignalException comes from torchrun, outside the workers."""
@@ -287,6 +298,7 @@ def test_ctrl_c_stops_with_one_line_saying_what_resumes(tmp_path):
 # ---------------------------------------------------------------- start-up: model, flags, data
 
 
+@pytest.mark.slow
 def test_impossible_flags_are_named_before_anything_loads(tmp_path):
     proc = grpo_alone(["--trainer.total-steps", "0", "--actor.lr", "-1", "--trainer.save-freq", "-1",
                        "--rollout.max-response-length", "0", "--rollout.temperature", "0",
@@ -303,6 +315,7 @@ def test_impossible_flags_are_named_before_anything_loads(tmp_path):
     ("EMPTY", "the folder has no config.json"),
     ("someone/unreachable-model", "cannot be reached from this machine (ConnectError) nor is in its Hugging Face cache"),
 ])
+@pytest.mark.slow
 def test_a_model_that_cannot_load_is_one_line(tmp_path, model, message):
     if model == "EMPTY":
         model = str(tmp_path)
@@ -332,6 +345,7 @@ def test_a_hub_model_in_the_cache_loads_offline_without_retries(tmp_path, monkey
         check_model_source("someone/tiny", "someone/tiny", longest_sequence=2000)
 
 
+@pytest.mark.slow
 def test_a_context_shorter_than_prompt_and_response_is_named(tmp_path):
     proc = grpo_alone(["--rollout.max-response-length", "2000", "--trainer.output-dir", str(tmp_path)])
     assert proc.returncode == 1 and not our_tracebacks(proc.stderr)
@@ -377,6 +391,7 @@ def data_file(folder: Path, case: str) -> Path:
     ("image placeholder", "tiny:qwen2_5_vl", ["row 0: the prompt holds '<|image_pad|>'", "put `<image>` where"]),
     ("thin image", "tiny:qwen2_5_vl", ["row 0, image 0 (file 'a.png')", "aspect ratio"]),
 ])
+@pytest.mark.slow
 def test_a_faulty_dataset_is_one_line_naming_file_and_row(tmp_path, case, model, fragments):
     path = data_file(tmp_path, case)
     before = snapshot(tmp_path)
@@ -388,6 +403,7 @@ def test_a_faulty_dataset_is_one_line_naming_file_and_row(tmp_path, case, model,
     assert_kept(before, tmp_path)
 
 
+@pytest.mark.slow
 def test_control_tokens_are_kept_when_the_dataset_means_them(tmp_path):
     path = data_file(tmp_path, "control tokens")
     proc = launch(["grpo.py", "--data.train-files", str(path), "--data.allow-special-tokens", "--trainer.total-steps",

@@ -5,6 +5,9 @@ import subprocess
 import sys
 
 from conftest import ROOT
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 
 def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):

@@ -13,6 +13,8 @@ import pytest
 
 from conftest import torchrun
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 
 @pytest.mark.parametrize("preset, steps", [("toy", 120), ("toy_lora", 100)])
 def test_default_job_learns_the_builtin_task(tmp_path, preset, steps):

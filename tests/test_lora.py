@@ -115,6 +115,7 @@ def write_run(run_dir, model_path, lora: LoRAConfig, model, tmp_path):
 
 
 @pytest.mark.parametrize("rank", [0, 4])
+@pytest.mark.slow
 def test_the_merger_writes_the_trained_model_from_a_checkpoint(tiny, world_of_one, tmp_path, rank):
     """A full-parameter run and a LoRA run: the merged folder loads with from_pretrained and gives the trained
     model's log-probs."""
@@ -132,6 +133,7 @@ def test_the_merger_writes_the_trained_model_from_a_checkpoint(tiny, world_of_on
         assert_vllm_loads_it(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_the_merger_writes_a_vision_language_model_with_its_processor(world_of_one, tmp_path):
     path = str(build_tiny_model("qwen2_5_vl", tmp_path / "tiny-vlm"))
     lora = LoRAConfig(rank=4, alpha=8, exclude_modules=".*visual.*")
@@ -161,6 +163,7 @@ def test_merger_errors_name_the_folder(world_of_one, tmp_path):
         merge(tmp_path, tmp_path / "out", torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_loads_in_vllm(tmp_path):
     """2 steps, 2 ranks: no reference model is built (the base is the reference), the engine follows the adapted
     model after every sync (gap at the full-model level), the base weights are bitwise unchanged and the adapters

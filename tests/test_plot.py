@@ -67,6 +67,7 @@ def test_panels_draw_the_read_data_and_name_a_missing_key(tmp_path, monkeypatch)
     assert figures[0].get_suptitle() == "my-run"
 
 
+@pytest.mark.slow
 def test_command_writes_a_png_of_the_figure_size(tmp_path):
     run = write_run(tmp_path, LINES)
     proc = run_plot(run)
@@ -81,6 +82,7 @@ def test_command_writes_a_png_of_the_figure_size(tmp_path):
     assert run_plot(run, "--out", out).stdout.strip() == str(out) and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_missing_run_folder_names_the_path_and_the_logger_flag(tmp_path):
     proc = run_plot(tmp_path / "no-such-run")
     assert proc.returncode != 0
@@ -88,6 +90,7 @@ def test_missing_run_folder_names_the_path_and_the_logger_flag(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_malformed_line_names_the_file_and_line(tmp_path):
     run = write_run(tmp_path, LINES[:3])
     with open(run / "metrics.jsonl", "a") as f:

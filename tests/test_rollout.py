@@ -22,6 +22,7 @@ EOS = 2  # <|im_end|> in tiny.py's tokenizer
 
 @pytest.mark.parametrize("engine, architecture", [("vllm", "qwen2"), ("vllm", "llama"), ("vllm", "qwen3_vl"),
                                                   ("hf", "qwen2"), ("hf", "llama")])
+@pytest.mark.slow
 def test_generate_and_sync_changed_weights(tmp_path, engine, architecture):
     out = tmp_path / "result.json"
     torchrun(["tests/rollout_worker.py", engine, architecture, str(out)], timeout=300)

@@ -42,6 +42,7 @@ def stored_id(run_dir, tracker: str) -> str:
 
 # ---------------------------------------------------------------- jsonl
 
+@pytest.mark.slow
 def test_jsonl_writes_lines_and_resume_drops_the_redone_steps(tmp_path):
     launch(["console", "jsonl", "jsonl"], tmp_path, steps=(0, 1, 2, 3))  # 0: validation before training; jsonl once
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": s, **metrics(s, 0)} for s in (0, 1, 2, 3)]
@@ -69,6 +70,7 @@ def read_events(run_dir):
     return events
 
 
+@pytest.mark.slow
 def test_tensorboard_scalars_text_and_purge_on_resume(tmp_path):
     def read():
         events = read_events(tmp_path)
@@ -104,6 +106,7 @@ def test_tensorboard_events_reach_the_disk_at_each_step(tmp_path):
 
 # ---------------------------------------------------------------- mlflow
 
+@pytest.mark.slow
 def test_mlflow_local_store_params_history_and_reattach(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -132,6 +135,7 @@ def test_mlflow_local_store_params_history_and_reattach(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- wandb
 
+@pytest.mark.slow
 def test_wandb_offline_run_and_resume_reuses_the_id(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):  # not in the home folder
@@ -155,6 +159,7 @@ def test_wandb_offline_run_and_resume_reuses_the_id(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- swanlab
 
+@pytest.mark.slow
 def test_swanlab_offline_without_login_and_resume_reuses_the_id(tmp_path, monkeypatch):
     from swanlab.proto.swanlab.record.v1.record_pb2 import Record
     from swanlab.sdk.internal.core_python.store import DataStoreReader

@@ -27,6 +27,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [line for line in lines if line["step"] > 0]
 
 
+@pytest.mark.slow
 def test_three_steps_end_to_end(tmp_path):
     # 2 PPO epochs x 2 mini-batches of 4 prompts: 4 optimizer steps per training step
     torchrun(["grpo.py", "--trainer.total-steps", "3", "--trainer.output-dir", str(tmp_path),
@@ -63,6 +64,7 @@ def test_three_steps_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("architecture, batching", [("qwen3", ["--actor.max-tokens-per-micro-batch", "300"]),
                                                     ("llama", ["--actor.no-padding-free"])])
+@pytest.mark.slow
 def test_text_architectures_train(tmp_path, architecture, batching):
     """Each text architecture, one with token-budget micro-batches, one padded instead of packed; the engine
     agrees with the trainer after every sync."""
@@ -76,6 +78,7 @@ def test_text_architectures_train(tmp_path, architecture, batching):
 
 
 @pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.slow
 def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, architecture):
     """Image rows (one or two images, two sizes) and text rows in one dataset, in order: in step 1 rank 0 holds
     only image rows and rank 1 only text rows, so rank 1 must run the vision tower on a blank image or the
@@ -116,6 +119,7 @@ def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, ar
     assert any(".visual." in k for k in moved) != bool(freeze), sorted(moved)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_rollout(tmp_path):
     """Both ranks share one vLLM engine (TP=2): they pool their prompts, each keeps its own responses,
     and after every sync the engine still matches the trainer."""
@@ -126,6 +130,7 @@ def test_tensor_parallel_rollout(tmp_path):
     assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics)
 
 
+@pytest.mark.slow
 def test_multi_node_on_loopback_without_a_shared_folder(tmp_path):
     """Two torchrun agents (--nnodes 2, one process each) rendezvous on 127.0.0.1 and train together, each in
     its own working directory: whatever start-up writes (the tiny model) must be built on every node."""
@@ -156,6 +161,7 @@ def test_multi_node_on_loopback_without_a_shared_folder(tmp_path):
     (["--actor.max-tokens-per-micro-batch", "100"], "must hold the longest sequence"),
     (["--rollout.engine", "hf", "--actor.offload-while-generating"], "the hf engine generates with the actor itself"),
 ])
+@pytest.mark.slow
 def test_invalid_config_fails_before_loading_anything(tmp_path, flags, message):
     proc = subprocess.run([sys.executable, "grpo.py", *flags, "--trainer.output-dir", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
@@ -164,6 +170,7 @@ def test_invalid_config_fails_before_loading_anything(tmp_path, flags, message):
     assert not (tmp_path / "models").exists()
 
 
+@pytest.mark.slow
 def test_unknown_preset_lists_the_presets():
     proc = subprocess.run([sys.executable, "grpo.py", "nosuchpreset"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0 and "unknown preset 'nosuchpreset'" in proc.stderr and "toy" in proc.stderr
@@ -187,6 +194,7 @@ def test_hub_presets_parse_and_fit_eight_gpus(preset):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.slow
 def test_every_algorithm_preset_runs(tmp_path, preset):
     """Each preset (configs/<algorithm>.yaml) trains 2 steps on the tiny model with finite metrics. With the hf
     engine, which starts in a second where vLLM warms up for ~15 s on CPU: the algorithm is what is tested here."""
@@ -208,6 +216,7 @@ def test_every_algorithm_preset_runs(tmp_path, preset):
         assert metrics[0]["timing/ref_logprob"] < 0.05, "no KL: no reference model should run"
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_stops_with_a_clear_error_after_the_round_limit(tmp_path):
     """A random model almost never solves a prompt: 2 rounds of 4 samples cannot fill the batch (hf engine: the
     round limit is the engine-independent loop's)."""
