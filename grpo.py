@@ -826,9 +826,10 @@ def main(cfg: Config) -> None:
                           max_tokens=cfg.actor.max_tokens_per_micro_batch, padding_free=cfg.actor.padding_free)
             with timer("old_logprob"):
                 old_logprobs = None if on_policy else batched_logprobs(actor, batch, **passes)
-            with timer("ref_logprob"):
-                with adapters_off(actor) if lora else nullcontext():
-                    ref_logprobs = batched_logprobs(actor if lora else ref, batch, **passes) if uses_kl else None
+            ref_logprobs = None  # no KL: no reference pass (and no timing/ref_logprob)
+            if uses_kl:
+                with timer("ref_logprob"), adapters_off(actor) if lora else nullcontext():
+                    ref_logprobs = batched_logprobs(actor if lora else ref, batch, **passes)
 
             # ---- token rewards, advantages ---------------------------------------------------------------
             scores = torch.tensor([s["overall"] for g in groups for s in g.scores], device=device)  # [B]

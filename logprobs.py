@@ -235,11 +235,19 @@ def response_logprobs(model, batch: dict, temperature: float, padding_free: bool
 @torch.no_grad()
 def batched_logprobs(model, batch: dict, temperature: float, micro_batch_size: int, max_tokens: int = 0,
                      padding_free: bool = True) -> torch.Tensor:
-    """response_logprobs over micro-batches (micro_batches) -> [B, R]. No backward follows these passes, so the
-    model's root FSDP unit is resharded after them (fsdp_utils.reshard)."""
+    """response_logprobs over micro-batches (micro_batches) -> [B, R]: the old and the reference log-probs.
+
+    In eval mode: a checkpoint's dropout (or --lora.dropout) would otherwise draw different log-probs for the same
+    tokens at every pass; the update's own forward keeps the model's dropout. No backward follows these passes, so
+    the model's root FSDP unit is resharded after them (fsdp_utils.reshard)."""
     out = torch.zeros(batch["response_mask"].shape, device=batch["response_mask"].device)  # [B, R]
-    for rows in micro_batches(batch, micro_batch_size, max_tokens):
-        out[torch.tensor(rows, device=out.device)] = response_logprobs(model, select(batch, rows), temperature,
-                                                                       padding_free)
+    was_training = model.training
+    model.eval()
+    try:
+        for rows in micro_batches(batch, micro_batch_size, max_tokens):
+            out[torch.tensor(rows, device=out.device)] = response_logprobs(model, select(batch, rows), temperature,
+                                                                           padding_free)
+    finally:
+        model.train(was_training)
     reshard(model)
     return out

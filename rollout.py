@@ -359,7 +359,7 @@ class HFRollout:
 
         check_version(self, version)
         if any(p.get("images") for p in prompts):
-            raise NotImplementedError("the hf rollout engine generates from text prompts only; use --rollout.engine vllm "
+            raise ValueError("the hf rollout engine generates from text prompts only; use --rollout.engine vllm "
                                       "for image rows")
         n, temperature, top_p = sampling(self.cfg, validation, greedy)
         # left padding: every prompt ends where generation starts

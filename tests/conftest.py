@@ -7,9 +7,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
+# a short job: 8 prompts x 4 samples a step, one micro-batch of the 16 sequences each rank holds
+FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
+        "--actor.micro-batch-size", "8"]
+# a reward a random model earns (signal_reward.py): short runs then have a non-zero policy gradient
+SIGNAL = ["--reward.function", f"{ROOT / 'tests' / 'signal_reward.py'}:lowercase"]
+# the trainer's and the engine's log-probs of the same tokens: rounding apart, in the engines' dtype (fp32 on a
+# CPU: observed ~1e-7; bf16 on a GPU: ~1e-2); a stale engine is ~1 apart
+ENGINE_GAP = 1e-3 if not torch.cuda.is_available() else 5e-2
 
 
 def free_port() -> int:

@@ -22,11 +22,13 @@ from safetensors.torch import load_file
 from torch.distributed.fsdp import fully_shard
 
 import checkpoints
-from conftest import ROOT, free_port, torchrun
+from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, free_port, torchrun
 
-FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
-        "--actor.micro-batch-size", "8"]
-BF16_ADAMW = ["--actor.optimizer", "adamw_bf16"]
+# bf16 AdamW moments, a reward the random model earns, a warm-up spanning the resume point then cosine, and the KL in
+# the reward with an adaptive coefficient: the LR schedule and the coefficient must be restored exactly too
+RESUME_JOB = ["--actor.optimizer", "adamw_bf16", *SIGNAL, "--actor.warmup-steps", "3", "--actor.lr-schedule", "cosine",
+       "--actor.min-lr-ratio", "0.1", "--algorithm.no-use-kl-loss", "--algorithm.use-kl-in-reward",
+       "--algorithm.kl-type", "adaptive"]
 NOT_REPRODUCIBLE = ("timing/", "perf/")  # wall-clock time and memory, not the training's numbers
 # Printed by torch's C++ logger from vLLM's CPU worker, before grpo.py runs (TORCH_CPP_LOG_LEVEL is read once, when
 # torch loads): one line per rank, CPU only.
@@ -52,16 +54,16 @@ def straight_and_resumed(tmp_path_factory):
     """The same 4-step job twice: straight, and as 2 steps plus a second launch that resumes and trains 3-4.
     Returns the output folder and the console output of the straight run and of the resuming launch.
 
-    All three launches use AdamW with bf16 moments (their checkpoint and resume are exact too). The memory
+    All three launches run RESUME_JOB: bf16 AdamW moments, a learning signal, warm-up then cosine, adaptive KL. The memory
     options ride along, one per launch: the straight run moves its training state to the host while vLLM
     generates, the first resumed launch keeps it there under FSDP2's CPU offload, the second uses neither. On a
     CPU both moves stay in host memory, so the runs must agree bitwise: state an offload dropped, reordered or
     failed to bring back would show as a difference.
     """
     tmp_path = tmp_path_factory.mktemp("resume")
-    straight = run_job(tmp_path, "straight", 4, *BF16_ADAMW, "--actor.offload-while-generating")
-    run_job(tmp_path, "resumed", 2, *BF16_ADAMW, "--actor.fsdp-cpu-offload")
-    return tmp_path, straight, run_job(tmp_path, "resumed", 4, *BF16_ADAMW)
+    straight = run_job(tmp_path, "straight", 4, *RESUME_JOB, "--actor.offload-while-generating")
+    run_job(tmp_path, "resumed", 2, *RESUME_JOB, "--actor.fsdp-cpu-offload")
+    return tmp_path, straight, run_job(tmp_path, "resumed", 4, *RESUME_JOB)
 
 
 @pytest.mark.slow
@@ -77,6 +79,11 @@ def test_resume_is_exact(straight_and_resumed):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert [m["step"] for m in lines(resumed / "metrics.jsonl")] == [0, 1, 2, 3, 4]
     assert without_timings(lines(resumed / "metrics.jsonl")) == without_timings(lines(straight / "metrics.jsonl"))
+    steps = lines(straight / "metrics.jsonl")[1:]  # what the equality covers moved from step to step
+    # warm-up over 3 steps, then cosine down to 0.1 of the peak (the LR logged is the next step's)
+    assert [m["actor/lr"] for m in steps] == pytest.approx([2e-3 / 3, 1e-3, 1e-3, 1e-4])
+    assert len({m["actor/kl_reward_coef"] for m in steps}) == 4  # adaptive: a new coefficient every step
+    assert all(m["actor/pg_loss"] != 0 for m in steps)
     assert lines(resumed / "generations.jsonl") == lines(straight / "generations.jsonl")
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -105,13 +112,13 @@ def test_resume_onto_one_rank_from_a_two_rank_checkpoint(straight_and_resumed):
     final = tmp_path / "resumed" / "final" / "model.safetensors"
     saved = load_file(final)
     shutil.rmtree(final.parent)  # a finished run without its final folder writes it, from the loaded checkpoint
-    output = run_job(tmp_path, "resumed", 4, *BF16_ADAMW, nproc=1)
+    output = run_job(tmp_path, "resumed", 4, *RESUME_JOB, nproc=1)
     assert "nothing to train" not in output and "saved the trained model to" in output
     loaded = load_file(final)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
-    run_job(tmp_path, "resumed", 5, *BF16_ADAMW, nproc=1)
+    run_job(tmp_path, "resumed", 5, *RESUME_JOB, nproc=1)
     metrics = lines(tmp_path / "resumed" / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5] and metrics[-1]["rollout/logprob_diff_max"] < 1e-3
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5] and metrics[-1]["rollout/logprob_diff_max"] < ENGINE_GAP
 
 
 @pytest.mark.slow

@@ -5,13 +5,11 @@ test_train.py."""
 import subprocess
 import sys
 
-from conftest import ROOT, free_port
+from conftest import FAST, ROOT, free_port
 import pytest
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
-FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
-        "--actor.micro-batch-size", "8"]
 
 
 def failing_torchrun(args: list[str], tmp_path) -> subprocess.CompletedProcess:

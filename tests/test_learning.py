@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from conftest import torchrun
+from conftest import ENGINE_GAP, torchrun
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -32,7 +32,7 @@ def test_default_job_learns_the_builtin_task(tmp_path, preset, steps):
     assert last >= 0.8, f"reward did not climb: first {rewards[0]:.3f}, mean of the last 5 steps {last:.3f}"
     assert metrics[-1]["val/reward_overall"] >= 0.8
     assert "done:" in output and "train reward" in output
-    assert max(m["rollout/logprob_diff_max"] for m in metrics) < 1e-3  # the engine followed the (adapted) model
+    assert max(m["rollout/logprob_diff_max"] for m in metrics) < ENGINE_GAP  # the engine followed the (adapted) model
 
 
 def test_a_tiny_vlm_learns_the_builtin_visual_task(tmp_path):
@@ -46,7 +46,7 @@ def test_a_tiny_vlm_learns_the_builtin_visual_task(tmp_path):
     assert rewards[0] < 0.1, f"a random model should start near chance, got {rewards[0]}"
     last = sum(rewards[-5:]) / 5
     assert last >= 0.8, f"reward did not climb: first {rewards[0]:.3f}, mean of the last 5 steps {last:.3f}"
-    assert max(m["rollout/logprob_diff_max"] for m in metrics) < 1e-3
+    assert max(m["rollout/logprob_diff_max"] for m in metrics) < ENGINE_GAP
 
 
 @pytest.mark.parametrize("preset, steps", [("rloo", 40), ("dapo", 60)])

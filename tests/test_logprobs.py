@@ -6,6 +6,7 @@ agree to ~5e-7 and gradients to ~3e-6 (measured); the tests allow 1e-5 (values) 
 largest gradient entry.
 """
 
+import math
 
 import pytest
 import torch
@@ -14,9 +15,11 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 import logprobs
 from attention import PACKED_SDPA
+from fsdp_utils import load_sharded_model
 from grpo import Config, backward_mini_batch, update_policy
 from logprobs import (balanced_bins, batched_logprobs, budget_bins, forward_inputs, make_batch, micro_batches,
                       response_logprobs, select)
+from metrics import logprob_metrics
 from tiny import build_tiny_model, build_tiny_vlm
 from vision import expand_prompt
 
@@ -216,3 +219,72 @@ def test_on_policy_update_takes_the_old_logprobs_from_its_own_forward(tmp_path, 
     cfg.trainer.ppo_epochs = 2
     with pytest.raises(ValueError, match="old log-probs"):
         update_policy(model, optimizer, batch, None, None, advantages, cfg)
+
+
+def test_the_engine_gap_metrics_measure_a_known_gap(world_of_one):
+    """A positive control for the trainer-engine gap, the guard against a stale engine: engine log-probs off by a
+    known amount per token give exactly that mean, max and importance ratio (padding ignored)."""
+    batch = make_batch([[1, 5], [1, 6]], [[7, 8, 2], [9]], pad_id=0)  # 4 valid response tokens
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, 0.0, 0.0]])
+    off = torch.tensor([[0.1, -0.3, 0.2], [0.0, 9.0, 9.0]])  # trainer minus engine; the 9s sit on padding
+    batch["rollout_logprobs"] = old - off
+    metrics = logprob_metrics(batch, old, ref_logprobs=None)
+    assert metrics["rollout/logprob_diff_mean"].item() == pytest.approx((0.1 + 0.3 + 0.2 + 0.0) / 4)
+    assert metrics["rollout/logprob_diff_max"].item() == pytest.approx(0.3)
+    assert metrics["rollout/is_ratio_mean"].item() == pytest.approx(
+        (math.exp(0.1) + math.exp(-0.3) + math.exp(0.2) + 1.0) / 4)
+
+
+@pytest.mark.parametrize("estimator", ["kl", "abs", "mse", "low_var_kl"])
+def test_the_kl_loss_enters_the_update_with_its_sign_and_weight(model, world_of_one, estimator):
+    """The update's gradient with the KL loss on (each estimator) against autograd of the loss written out here:
+    token-mean of -A * r + beta * k(l, l_ref), with k by its textbook formula. A flipped sign or a missing beta
+    changes the gradient."""
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    mask = batch["response_mask"]
+    g = torch.Generator().manual_seed(5)
+    advantages = torch.randn(5, 1, generator=g) * mask
+    old = batched_logprobs(model, batch, 1.0, micro_batch_size=8)
+    ref = old + 0.3 * torch.randn(mask.shape, generator=g)  # a reference the policy has moved away from
+    cfg = Config()
+    cfg.algorithm.use_kl_loss, cfg.algorithm.kl_penalty, cfg.algorithm.kl_coef = True, estimator, 0.5
+    model.zero_grad(set_to_none=True)
+    backward_mini_batch(model, batch, old, ref, advantages, cfg)
+    update = {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    def written_out():
+        logprobs = response_logprobs(model, batch, 1.0)
+        d = logprobs - ref
+        k = {"kl": d, "abs": d.abs(), "mse": d.square() / 2, "low_var_kl": torch.exp(-d) + d - 1}[estimator]
+        return ((-advantages * torch.exp(logprobs - old) + 0.5 * k) * mask).sum() / mask.sum()
+
+    model.zero_grad(set_to_none=True)
+    written_out().backward()
+    assert_same_gradients(update, {name: p.grad.clone() for name, p in model.named_parameters()})
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, world_of_one):
+    """--actor.gradient-checkpointing through the trainer's own loading and forward: the activations are recomputed
+    in the backward, the gradients are those of a forward that kept them."""
+    path = str(build_tiny_model("qwen2", tmp_path / "m"))
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    weights = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in (False, True):
+        model = load_sharded_model(path, torch.device("cpu"), trainable=True, gradient_checkpointing=checkpointing)
+        assert model.is_gradient_checkpointing == checkpointing
+        (response_logprobs(model, batch, 1.0) * weights).sum().backward()
+        grads.append({name: p.grad.full_tensor() for name, p in model.named_parameters()})
+    assert_same_gradients(*grads)
+
+
+def test_the_no_grad_passes_run_without_dropout(tmp_path, world_of_one):
+    """A checkpoint whose config sets dropout: the old and reference log-probs (no-grad passes) run in eval mode, so
+    two passes give the same numbers; the update's own forward keeps the model's dropout (train mode after)."""
+    path = build_tiny_model("qwen2", tmp_path / "m", attention_dropout=0.5)
+    model = load_sharded_model(str(path), torch.device("cpu"), trainable=True)
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    first, second = (batched_logprobs(model, batch, 1.0, micro_batch_size=8) for _ in range(2))
+    assert torch.equal(first, second) and model.training
+    with torch.no_grad():  # what the same pass gives in train mode: dropout draws differently each time
+        assert not torch.equal(response_logprobs(model, batch, 1.0), response_logprobs(model, batch, 1.0))

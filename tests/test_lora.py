@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 from checkpoints import save_checkpoint
-from conftest import ROOT, free_port, torchrun
+from conftest import ENGINE_GAP, ROOT, free_port, torchrun
 from fsdp_utils import load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
 from lora import LoRAConfig, adapters_off, base_name
@@ -175,7 +175,7 @@ def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_lo
     assert "LoRA rank 8:" in output and "the reference is the base (adapters off)" in output
     run = tmp_path / "tiny-qwen2_toy"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics)
+    assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < ENGINE_GAP for m in metrics)
     assert metrics[1]["actor/kl_ref"] > 0  # the adapted policy moved away from the base
     dcp_to_torch_save(run / "checkpoints" / "step_000002" / "model_optimizer", tmp_path / "ckpt.pt")
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]

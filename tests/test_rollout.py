@@ -7,6 +7,7 @@ The hf engine generates with the trainer's own FSDP2 model, with ranks decoding 
 """
 
 import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,9 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import torchrun
+from conftest import ENGINE_GAP, torchrun
 
-TOLERANCE = 1e-3  # fp32 engine and trainer: observed ~1e-6; a stale head gives ~1
 EOS = 2  # <|im_end|> in tiny.py's tokenizer
 
 
@@ -43,10 +43,10 @@ def test_generate_and_sync_changed_weights(tmp_path, engine, architecture):
                 assert not response["truncated"] or len(response["token_ids"]) == r["max_tokens"]
                 assert EOS not in response["token_ids"][:-1]  # nothing after the first EOS
                 finished += ends_with_eos
-        assert r["gap_initial"] < TOLERANCE
+        assert r["gap_initial"] < ENGINE_GAP
         assert r["gap_stale"] > 0.05, "the perturbation must change the log-probs for the test to mean anything"
         assert "sync_weights() was skipped" in r["stale_error"]
-        assert r["gap_synced"] < TOLERANCE
+        assert r["gap_synced"] < ENGINE_GAP
         assert r["stream_exact"] and r["ref_dtypes"] == ["torch.bfloat16"] and r["ref_gap"] < 0.1
     assert finished > 0, "no response ended with EOS: the EOS handling went untested"
     # ranks sample differently (different seeds, different prompts)
@@ -175,3 +175,40 @@ def test_the_offloaded_state_leaves_before_the_kv_cache_wakes_and_returns_after_
     rollout.sync_weights(actor, version=5, on_loaded=state.to_host)  # the loop's order, step after step
     assert calls == ["generate", "sleep 2", "state to cuda", "wake weights", "reload 2 tensors", "state to cpu",
                      "wake kv_cache", "reset prefix cache", "reset encoder cache"]
+
+
+def test_the_hf_engine_samples_from_top_k_then_top_p_renormalised():
+    """The hf engine's sampling distribution and the log-probs it reports: temperature, then the top-k, then the
+    nucleus of the rest, renormalised over what is kept (as vLLM reports them). By hand: logits [2, 1.5, 1, 0, -1,
+    -3], top-k 4 keeps the first four, p = [.474, .288, .174, .064]; top-p 0.8 drops the last of those (the
+    tokens whose cumulative share from the bottom is at most 0.2); token 1 then has e^1.5 / (e^2 + e^1.5 + e^1)."""
+    from rollout import _SampledLogprobs
+
+    processor = _SampledLogprobs(temperature=1.0, top_p=0.8, top_k=4, placeholders=[])
+    warped = processor(torch.tensor([[7]]), torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]]))
+    assert torch.isinf(warped[0, 3:]).all() and torch.isfinite(warped[0, :3]).all()
+    sampled = processor.finish(torch.tensor([[1]]))
+    assert sampled.item() == pytest.approx(1.5 - math.log(math.exp(2) + math.exp(1.5) + math.exp(1)))
+
+
+def test_the_hf_engine_stops_at_every_end_token_and_refuses_image_rows(tmp_path, world_of_one):
+    """Qwen's checkpoints list two end tokens in their generation config (<|im_end|> and <|endoftext|>): the hf
+    engine stops at either, as vLLM does (here at the one the tokenizer does not name). Image rows are a one-line
+    error naming the engine to use."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from PIL import Image
+
+    from rollout import HFRollout, RolloutConfig
+    from tiny import build_tiny_model
+
+    path = build_tiny_model("qwen2", tmp_path / "m")
+    GenerationConfig(eos_token_id=[2, 0], pad_token_id=0).save_pretrained(path)  # <|im_end|>, <|endoftext|>
+    engine = HFRollout(RolloutConfig(engine="hf"), AutoModelForCausalLM.from_pretrained(path), str(path),
+                       torch.device("cpu"))
+    assert engine.eos_ids == {2, 0}
+    with torch.no_grad():  # every logit 0: greedy decoding picks token 0, <|endoftext|>, the second end token
+        engine.model.model.norm.weight.zero_()
+    [[response]] = engine.generate([{"prompt_ids": [1, 5]}], version=0, greedy=True)
+    assert response.token_ids == [0] and not response.truncated
+    with pytest.raises(ValueError, match="text prompts only; use --rollout.engine vllm"):
+        engine.generate([{"prompt_ids": [1, 5], "images": [Image.new("RGB", (28, 28))]}], version=0)
