@@ -149,6 +149,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
             (tmp / "trainer_state.json").write_text(json.dumps(
                 {**trainer_state, "step": step, "model_only": model_only, "world_size": dist.get_world_size(),
                  "best_metric": best_metric}, indent=2))
+            hold_before_commit(tmp, step)
     except (OSError, RuntimeError, CheckpointException) as error:  # DCP raises the ranks' errors on every rank
         need = state_bytes(model, None if model_only else optimizer)
         full = out_of_space(error, tmp.parent, need)
@@ -170,6 +171,15 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
         write_tracker(run_dir)
     dist.barrier()
     return final
+
+
+def hold_before_commit(tmp: Path, step: int) -> None:
+    """Fault injection for the crash-safety test: with GRPO_HOLD_SAVE=N in the environment, step N's save stops here,
+    everything written and nothing committed, until the process is killed (it marks the moment with `held`)."""
+    if os.environ.get("GRPO_HOLD_SAVE") == str(step):
+        (tmp / "held").touch()
+        while True:
+            time.sleep(1)
 
 
 def state_bytes(model, optimizer) -> int:

@@ -75,9 +75,17 @@ def parse_quietly(parse: Callable, argv: list[str]):
 
 def run(main: Callable, *args) -> None:
     """main(*args), with user errors reported as one line, once over all ranks, and exit code 1; a Ctrl-C as one
-    line too (what on_interrupt registered: where the run stopped, how to resume), exit code 130."""
+    line too (what on_interrupt registered: where the run stopped, how to resume), exit code 130.
+
+    Every way out skips the interpreter's teardown (os._exit), a finished run's too, once its output is flushed:
+    with torch 2.13 on CPU that teardown aborted a rank now and then after all work was done ("terminate called
+    without an active exception": a C++ thread of the distributed stack destroyed while still joinable), failing
+    a finished job; the test workers that launch under torchrun leave the same way."""
     try:
         main(*args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except KeyboardInterrupt:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM follows a Ctrl-C: let the line out first
         if env_verbose():

@@ -21,7 +21,8 @@ Parts (one line each on the console, all figures in OUT/gpu_check.json):
    moved to the host and back before each (offload while generating), and the actor under FSDP2's CPU offload
    (its update and its weight stream through NCCL); the weights of each against the plain run's, next to the
    baseline, and the memory the move frees.
-`--cpu` runs parts 2-5 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here.
+`--cpu` runs parts 2-5 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here
+(part 1 is the suite's own test_devices.py there).
 Well under ten minutes on one H200, so that a lent GPU's time holds two runs.
 """
 
@@ -260,7 +261,7 @@ def main():
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no GPU visible: run with --cpu to exercise the script on the CPU")
     models = Path(tempfile.mkdtemp())
-    parts = {"devices": lambda: part_devices(args),
+    parts = {**({} if args.cpu else {"devices": lambda: part_devices(args)}),  # the CPU suite runs test_devices itself
              "logprobs": lambda: in_torchrun("logprobs", args, random_model("toy" if args.cpu else "0.5b", models / "a", device)),
              "job": lambda: part_job(args),
              "update": lambda: in_torchrun("update", args, random_model("toy" if args.cpu else "1.5b", models / "b", device)),

@@ -106,8 +106,9 @@ def test_the_console_shows_each_step_once_and_no_library_chatter(straight_and_re
 
 
 @pytest.mark.slow
-def test_resume_onto_one_rank_from_a_two_rank_checkpoint(straight_and_resumed):
-    """DCP reshards: one rank loads the two ranks' shards into exactly the saved weights, and trains on."""
+def test_resume_onto_one_rank_from_a_two_rank_checkpoint_and_back_onto_two(straight_and_resumed):
+    """DCP reshards: one rank loads the two ranks' shards into exactly the saved weights, and trains on; two ranks
+    then load the one rank's checkpoint, and train on."""
     tmp_path = straight_and_resumed[0]
     final = tmp_path / "resumed" / "final" / "model.safetensors"
     saved = load_file(final)
@@ -119,40 +120,43 @@ def test_resume_onto_one_rank_from_a_two_rank_checkpoint(straight_and_resumed):
     run_job(tmp_path, "resumed", 5, *RESUME_JOB, nproc=1)
     metrics = lines(tmp_path / "resumed" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5] and metrics[-1]["rollout/logprob_diff_max"] < ENGINE_GAP
+    assert json.loads((tmp_path / "resumed" / "checkpoints" / "step_000005" / "trainer_state.json").read_text())[
+        "world_size"] == 1
+    output = run_job(tmp_path, "resumed", 6, *RESUME_JOB, nproc=2)
+    metrics = lines(tmp_path / "resumed" / "metrics.jsonl")
+    assert "resumed from" in output and "step_000005" in output
+    assert [m["step"] for m in metrics][-2:] == [5, 6] and metrics[-1]["rollout/logprob_diff_max"] < ENGINE_GAP
 
 
 @pytest.mark.slow
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     """Kill the whole job (SIGKILL, no clean-up) while it writes a checkpoint: the next launch resumes from
-    the last complete one, discards the unfinished folder, and the metric lines still hold each step once."""
-    port = free_port()
+    the last complete one, discards the unfinished folder, and the metric lines still hold each step once. The save
+    of step 3 is held just before its commit (checkpoints.hold_before_commit), so the kill lands there every time."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), "grpo.py", "--trainer.total-steps", "5", "--trainer.output-dir", str(tmp_path),
-           "--trainer.save-freq", "1", "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST]
-    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+           "--master_port", str(free_port()), "grpo.py", "--trainer.total-steps", "5", "--trainer.output-dir",
+           str(tmp_path), "--trainer.save-freq", "1", "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "GRPO_HOLD_SAVE": "3"},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     folder = tmp_path / "tiny-qwen2_toy" / "checkpoints"
     deadline = time.monotonic() + 300
     try:
-        while not list(folder.glob("step_00000[3-5].tmp")):  # poll fast: a save of the tiny model is short
-            assert job.poll() is None and time.monotonic() < deadline, "the job ended before its third save began"
-            time.sleep(0.001)
+        while not (folder / "step_000003.tmp" / "held").exists():
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended before its third save was held"
+            time.sleep(0.1)
         # torchrun starts each worker in a session of its own: kill every process of the job, all at once
         for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
             process.send_signal(signal.SIGKILL)
     finally:
         job.kill()
         job.wait()
-    unfinished = sorted(p.name for p in folder.glob("step_*.tmp"))
-    complete = [p.name for p in checkpoints.complete_checkpoints(tmp_path / "tiny-qwen2_toy")]
-    assert unfinished, "the kill landed after the save had committed: the test did not test a crash mid-save"
-    latest = int(complete[-1].split("_")[1])
-
+    assert sorted(p.name for p in folder.glob("step_*.tmp")) == ["step_000003.tmp"]  # written, never committed
+    assert [p.name for p in checkpoints.complete_checkpoints(tmp_path / "tiny-qwen2_toy")] == ["step_000001",
+                                                                                               "step_000002"]
     output = torchrun(cmd[cmd.index("grpo.py"):])
-    assert f"resumed from {folder / complete[-1]}" in output, output
+    assert f"resumed from {folder / 'step_000002'}" in output, output
     assert not list(folder.glob("*.tmp"))
-    steps = [m["step"] for m in lines(tmp_path / "tiny-qwen2_toy" / "metrics.jsonl")]
-    assert steps == list(range(1, 6)), f"resumed after step {latest}: {steps}"
+    assert [m["step"] for m in lines(tmp_path / "tiny-qwen2_toy" / "metrics.jsonl")] == list(range(1, 6))
 
 
 # ---------------------------------------------------------------- the rules, in-process (a world of one)

@@ -15,7 +15,7 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
                           capture_output=True, text=True, timeout=900)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert proc.returncode == 0, json.dumps(report, indent=2) + proc.stderr[-3000:]
-    assert report["device"] == "cpu" and "passed" in report["devices"]["pytest"]
+    assert report["device"] == "cpu" and "devices" not in report  # the suite runs test_devices.py itself
     assert report["logprobs"]["tokens"] > 0 and report["logprobs"]["logprob_gap_max"] < ENGINE_GAP
     assert report["job"]["steps"] == 2 and report["job"]["engine_gap_max"] < ENGINE_GAP
     update = report["update"]

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 from checkpoints import save_checkpoint
-from conftest import ENGINE_GAP, ROOT, free_port, torchrun
+from conftest import ENGINE_GAP, ROOT, torchrun
 from fsdp_utils import load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
 from lora import LoRAConfig, adapters_off, base_name
@@ -184,8 +184,7 @@ def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_lo
     assert all(torch.equal(base[n], initial[n]) for n in initial)
     assert any(t.abs().max() > 0 for n, t in saved.items() if "lora_B" in n)
 
-    subprocess.run([sys.executable, "-m", "merge", str(run), str(tmp_path / "merged")], cwd=ROOT, check=True,
-                   capture_output=True, env={**os.environ, "MASTER_PORT": str(free_port())})
+    torchrun(["-m", "merge", str(run), str(tmp_path / "merged")])  # two processes: DCP reshards the checkpoint
     merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(merged[k], final[k]) for k in final)
     assert_vllm_loads_it(tmp_path / "merged")

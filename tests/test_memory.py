@@ -1,6 +1,7 @@
 """memory.py: exact parameter counts, the formulas against hand-computed numbers, and which runs are refused."""
 
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import Qwen2Config
@@ -115,6 +116,14 @@ def test_precision_offload_and_token_budget_by_hand():
     assert REFERENCE not in lora.rollout and REFERENCE not in lora.training
     budget = estimate_memory(TINY, max_tokens_per_micro_batch=512, **options)
     assert budget.training[ACTIVATIONS] == 512 * L * (17 * h + 8 * I) and budget.training[LOGITS] == 512 * 1000 * 16
+
+
+def test_the_readme_shows_the_hardware_table_memory_py_prints():
+    """The README's "GPUs needed" table is `python memory.py --hardware-table` (which writes "(TP 1)" where the
+    README leaves it out): a change to the estimate that moves a cell must move the README too."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = hardware_table(80).replace(" (TP 1)", "")
+    assert table in readme
 
 
 def test_the_hardware_table_uses_fewer_gpus_with_bf16_states():

@@ -11,6 +11,7 @@ import torch
 import yaml
 from PIL import Image
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -28,11 +29,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_three_steps_end_to_end(tmp_path):
     """2 PPO epochs x 2 mini-batches of 4 prompts: 4 optimizer steps per training step; a reward the random model
-    earns and no weight decay, so the policy gradient is what moves the weights."""
+    earns and no weight decay, so the policy gradient is what moves the weights; model-only checkpoints."""
     torchrun(["grpo.py", "--trainer.total-steps", "3", "--trainer.output-dir", str(tmp_path),
               "--trainer.experiment-name", "e2e", "--trainer.val-freq", "2", *FAST, *SIGNAL,
               "--trainer.global-batch-size", "4", "--trainer.ppo-epochs", "2", "--actor.weight-decay", "0",
-              "--trainer.logger", "console", "jsonl", "tensorboard"])
+              "--trainer.save-model-only", "--trainer.logger", "console", "jsonl", "tensorboard"])
     run_dir = tmp_path / "e2e"
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -60,6 +61,27 @@ def test_three_steps_end_to_end(tmp_path):
     assert initial.keys() == final.keys()
     assert any(not torch.equal(initial[k], final[k]) for k in initial)
     assert not (run_dir / "final.tmp").exists()
+    # --trainer.save-model-only: the checkpoint holds the weights, not AdamW's moments
+    checkpoint = run_dir / "checkpoints" / "step_000003"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["model_only"]
+    saved = FileSystemReader(str(checkpoint / "model_optimizer")).read_metadata().state_dict_metadata
+    assert any(key.startswith("model.") for key in saved) and not any(key.startswith("optimizer.") for key in saved)
+
+
+@pytest.mark.slow
+def test_bf16_weights_train_and_resume(tmp_path):
+    """--actor.dtype bfloat16 end to end (hf engine: the trainer's own bf16 model samples): 2 steps, a resumed third,
+    the final folder in bf16."""
+    args = ["grpo.py", "--actor.dtype", "bfloat16", "--trainer.output-dir", str(tmp_path), "--trainer.save-freq", "2",
+            "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--rollout.engine", "hf", *FAST, *SIGNAL]
+    torchrun([*args, "--trainer.total-steps", "2"])
+    output = torchrun([*args, "--trainer.total-steps", "3"])
+    assert "resumed from" in output and "step_000002" in output
+    metrics = read_metrics(tmp_path / "tiny-qwen2_toy")
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(math.isfinite(v) for m in metrics for v in m.values())
+    assert all(m["actor/pg_loss"] != 0 for m in metrics)
+    final = load_file(tmp_path / "tiny-qwen2_toy" / "final" / "model.safetensors")
+    assert {t.dtype for t in final.values()} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("architecture, batching", [("qwen3", ["--actor.max-tokens-per-micro-batch", "300"]),
