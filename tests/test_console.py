@@ -5,17 +5,15 @@ test_train.py."""
 import subprocess
 import sys
 
-from conftest import FAST, ROOT, free_port
 import pytest
+
+from conftest import FAST, ROOT, free_port, launch
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 
-
 def failing_torchrun(args: list[str], tmp_path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "grpo.py", "--trainer.output-dir", str(tmp_path), *FAST, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = launch(["grpo.py", "--trainer.output-dir", str(tmp_path), *FAST, *args])
     assert proc.returncode != 0
     return proc
 

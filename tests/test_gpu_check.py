@@ -4,8 +4,9 @@ import json
 import subprocess
 import sys
 
-from conftest import ENGINE_GAP, ROOT
 import pytest
+
+from conftest import ENGINE_GAP, ROOT
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
