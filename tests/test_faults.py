@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import huggingface_hub
@@ -180,11 +179,10 @@ def score(inp):
 def test_a_reward_that_hangs_exits_or_overflows_ends_the_run_with_one_line(tmp_path, body, message):
     reward = tmp_path / "rewards.py"
     reward.write_text(MISBEHAVING_REWARD.format(body=body))
-    start = time.monotonic()
+    # a hang would end at the collective timeout (30 minutes) with gloo's error, not this line, past the launch's 300 s
     proc = launch(["grpo.py", "--reward.function", f"{reward}:score", "--reward.timeout", "2",
                    "--trainer.output-dir", str(tmp_path), "--trainer.total-steps", "1", *SMALL], timeout=300)
     one_error_line(proc, f"reward '{reward}:score'", message, "ground_truth=")
-    assert time.monotonic() - start < 120  # not the collective timeout
 
 
 @pytest.mark.slow
@@ -337,10 +335,8 @@ def test_a_hub_model_in_the_cache_loads_offline_without_retries(tmp_path, monkey
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", "http://127.0.0.1:9")  # a hub that refuses at once
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    start = time.monotonic()
     check_model_source("someone/tiny", "someone/tiny", longest_sequence=300)  # reads the cached config.json
     assert huggingface_hub.constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
-    assert time.monotonic() - start < 10
     with pytest.raises(SystemExit, match="exceed the context of someone/tiny"):
         check_model_source("someone/tiny", "someone/tiny", longest_sequence=2000)
 
