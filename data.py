@@ -63,25 +63,31 @@ TEMPLATES = Path(__file__).parent / "templates"
 @dataclass
 class DataConfig:
     train_files: str = "toy"
-    """Training data `name[@split]`: `toy` (built-in task), a parquet/json/jsonl/csv file, a folder of them, or a hub id; split `train` unless given."""
+    """Training data `name[@split]`: `toy` (built-in task),
+    a parquet/json/jsonl/csv file, a folder of them, or a hub id; split `train` unless given."""
     val_files: str = "auto"
-    """Validation data, same format (e.g. `data/math12k@test`); auto: the training data's own test (or validation) split if it has one, else none; empty: none."""
+    """Validation data, same format (e.g. `data/math12k@test`);
+    auto: the training data's own test (or validation) split if it has one, else none; empty: none."""
     prompt_key: str = "problem"
     """Column holding the prompt text."""
     answer_key: str = "answer"
     """Column holding the ground truth passed to the reward function."""
     image_key: str = "images"
-    """Column holding each row's list of images (vision-language models); ignored when the dataset has no such column."""
+    """Column holding each row's list of images (vision-language models);
+    ignored when the dataset has no such column."""
     image_dir: str = ""
     """Folder that relative image paths of the images column are joined with (empty: the working directory)."""
     min_pixels: int = 262144
     """Images with fewer pixels are scaled up to this many (aspect ratio kept), once, for rollout and training alike."""
     max_pixels: int = 4194304
-    """Images with more pixels are scaled down to this many; it bounds each image's tokens (pixels / 28^2 for Qwen2.5-VL)."""
+    """Images with more pixels are scaled down to this many;
+    it bounds each image's tokens (pixels / 28^2 for Qwen2.5-VL)."""
     format_prompt: str = ""
-    """Jinja template rendering the prompt as `{{ content }}`, e.g. templates/math.jinja (also found next to data.py); empty: the prompt as is."""
+    """Jinja template rendering the prompt as `{{ content }}`, e.g. templates/math.jinja (also found next to data.py);
+    empty: the prompt as is."""
     allow_special_tokens: bool = False
-    """Keep prompts whose text holds the tokenizer's control tokens (`<|im_end|>`, ...), which then act as such; refused by default (dataset text is text)."""
+    """Keep prompts whose text holds the tokenizer's control tokens (`<|im_end|>`, ...), which then act as such;
+    refused by default (dataset text is text)."""
     max_prompt_length: int = 256
     """Prompts longer than this many tokens (chat template included) are dropped at start-up; the count is logged."""
     shuffle: bool = True
@@ -369,11 +375,12 @@ class PromptDataset:
         content = self.template.render(content=text) if self.template else text
         if self.has_images and (num_images or "<image>" in content):
             if content.count("<image>") != num_images:
-                raise ValueError(f"{self.where(index)}: {content.count('<image>')} <image> placeholders for {num_images} "
-                                 "images; put one <image> in the prompt where each image goes, in order")
+                raise ValueError(f"{self.where(index)}: {content.count('<image>')} <image> placeholders for "
+                                 f"{num_images} images; put one <image> in the prompt where each image goes, in order")
             parts = content.split("<image>")  # text, image, text, image, ..., text
             content = [part for i, text_part in enumerate(parts)
-                       for part in ([{"type": "image"}] if i else []) + ([{"type": "text", "text": text_part}] if text_part else [])]
+                       for part in ([{"type": "image"}] if i else []) +
+                                   ([{"type": "text", "text": text_part}] if text_part else [])]
         messages = [{"role": "user", "content": content}]
         renderer = self.processor if self.processor is not None else self.tokenizer
         return renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -439,6 +446,16 @@ def resize_image(image: Image.Image, min_pixels: int, max_pixels: int) -> Image.
 
 
 # ---------------------------------------------------------------- batches: every rank its share
+
+
+def load_datasets(cfg: DataConfig, tokenizer, processor, say) -> tuple[PromptDataset, PromptDataset | None]:
+    """The training prompts and the validation prompts (None without validation files)."""
+    train_set = PromptDataset(load_rows(cfg.train_files), cfg, tokenizer, cfg.train_files, processor)
+    val_files, val_note = validation_files(cfg.train_files, cfg.val_files)  # never another dataset by default
+    val_set = PromptDataset(load_rows(val_files), cfg, tokenizer, val_files, processor) if val_files else None
+    say(f"data: {len(train_set)} training prompts ({train_set.num_filtered} longer than {cfg.max_prompt_length} "
+        f"tokens dropped), {len(val_set) if val_set else 0} validation prompts; " + val_note)
+    return train_set, val_set
 
 
 class PromptLoader:

@@ -1,12 +1,9 @@
-"""FSDP2 plumbing: the process group and its collectives, sharded model loading, gathering for
-generation, the weight stream, the final save.
+"""FSDP2: the process group, sharded model loading, gathering for generation, the weight stream, the final
+save (its collectives: plumbing/collectives.py).
 
 Design decisions:
 - One process per device (torchrun). NCCL on GPU, gloo on CPU, chosen from what the machine has.
   Multi-node is torchrun's job (`--nnodes`, `--node_rank`, `--master_addr`): nothing here changes.
-- Collectives run on the training device: NCCL only moves GPU tensors, so a reduction buffer built
-  on the CPU would crash there (and pass silently under gloo). Reduced values stay on the device until
-  the loop logs them (`to_floats`), one host sync per step instead of one per number.
 - `fully_shard` on every block named in the model's `_no_split_modules` (decoder layers, and vision
   blocks for VLMs), on a VLM's vision tower, then on the root, as torchtitan does. bf16 compute with fp32
   master weights (or bf16 ones, --actor.dtype) and fp32 gradient reduction on GPU; plain fp32 on CPU (no
@@ -35,11 +32,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig
 
-from attention import attention_implementation
-from checkpoints import out_of_space, readable_like_other_files, size_text
 from lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
+from plumbing.attention import attention_implementation
+from plumbing.checkpoints import out_of_space, readable_like_other_files, size_text
+from plumbing.tiny import model_class
 from vision import is_vision_language, keep_vision_tower_in_step
 
 
@@ -74,46 +72,15 @@ def process_group_backend(device_type: str, cpu_offload: bool) -> str:
     return "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
 
 
-def all_reduce(values: dict[str, float | torch.Tensor], device: torch.device,
-               op=dist.ReduceOp.SUM) -> dict[str, torch.Tensor]:
-    """Reduce a dict of numbers over all ranks in one collective; the results stay on `device` (0-dim, float64).
-
-    `device` is the training device: NCCL needs its buffers there. Example, 2 ranks, SUM:
-    {"tokens": 3, "loss": tensor(1.5)} and {"tokens": 5, "loss": tensor(0.5)} -> {"tokens": 8., "loss": 2.}
-    """
-    buffer = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values.values()])
-    dist.all_reduce(buffer, op=op)
-    return dict(zip(values, buffer.unbind()))
-
-
-def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's sum over all ranks, in float64 on the tensor's own device (REINFORCE++'s global whitening)."""
-    summed = tensor.detach().to(torch.float64)
-    dist.all_reduce(summed)
-    return summed.to(tensor.dtype)
-
-
-def to_device(values: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Lists of ints made int64 tensors on `device` in one host-to-device copy: concatenated on the host, pinned and
-    sent without waiting (on a GPU), split there. A `torch.tensor(list, device=cuda)` per list would wait for the
-    GPU to finish everything queued, each time. {"a": [1, 2], "b": [3]} -> {"a": tensor([1, 2]), "b": tensor([3])}."""
-    flat = torch.tensor([v for vs in values.values() for v in vs], dtype=torch.long)
-    if device.type == "cuda":
-        flat = flat.pin_memory()
-    return dict(zip(values, flat.to(device, non_blocking=True).split([len(vs) for vs in values.values()])))
-
-
-def to_floats(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
-    """Device numbers -> Python floats with one device-to-host copy (each `.item()` would wait on the GPU)."""
-    tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
-    on_host = dict(zip(tensors, torch.stack([v.to(torch.float64) for v in tensors.values()]).tolist())) if tensors else {}
-    return {k: on_host[k] if k in on_host else float(v) for k, v in metrics.items()}
+LOGIT_TRANSFORMS = {"final_logit_softcapping": (0,), "logit_scale": (1,), "logits_scaling": (1,)}  # name: no-op values
 
 
 def check_model_source(model_path: str, given: str, longest_sequence: int) -> None:
     """Fail at start-up, in one line, on a model that cannot load or cannot hold the run's sequences: a folder
     without config.json, a path that does not exist, a hub id the hub does not have, or one this machine can
-    neither reach nor finds in its Hugging Face cache; prompt + response longer than the model's context.
+    neither reach nor finds in its Hugging Face cache; prompt + response longer than the model's context; a model
+    whose output head transforms its logits (final soft-capping, scaling: LOGIT_TRANSFORMS), which the trainer's
+    head, run outside the model's forward, would skip.
 
     A hub id is looked up once, with a short timeout: offline, transformers would retry every file for about
     20 s before failing. Offline with a cached copy, every later load is told to use the cache. `given`: the
@@ -127,10 +94,18 @@ def check_model_source(model_path: str, given: str, longest_sequence: int) -> No
         if path.exists() or model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1:
             raise SystemExit(f"{flag}: no such folder, and not a hub id (namespace/name)")
         check_hub_model(model_path, flag)
-    context = AutoConfig.from_pretrained(model_path).get_text_config().max_position_embeddings
-    if longest_sequence > context:
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    if longest_sequence > config.max_position_embeddings:
         raise SystemExit(f"--data.max-prompt-length + --rollout.max-response-length = {longest_sequence} tokens exceed "
-                         f"the context of {given} ({context} tokens, max_position_embeddings): lower either")
+                         f"the context of {given} ({config.max_position_embeddings} tokens, max_position_embeddings): "
+                         "lower either")
+    transforms = [f"{name} {value}" for name, neutral in LOGIT_TRANSFORMS.items()
+                  if (value := getattr(config, name, None)) is not None and value not in neutral]
+    if transforms:
+        raise SystemExit(f"{flag}: the model transforms its logits in its forward ({', '.join(transforms)}), and the "
+                         "trainer computes log-probs from the decoder's hidden states with the output head alone "
+                         "(logprobs.py): its log-probs would not be the model's. Models with final logit soft-capping "
+                         "or scaling (Gemma 2/3, Cohere, Granite) are not supported")
 
 
 def check_hub_model(repo_id: str, flag: str) -> None:
@@ -157,12 +132,6 @@ def check_hub_model(repo_id: str, flag: str) -> None:
         constants.HF_HUB_OFFLINE = True  # huggingface_hub read the variable when it was imported
 
 
-def model_class(config):
-    """The transformers Auto class of a checkpoint: image-text-to-text for vision-language models (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL), causal LM otherwise."""
-    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
-
-
 def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: torch.dtype = torch.float32,
                        gradient_checkpointing: bool = False, cpu_offload: bool = False, lora: LoRAConfig | None = None):
     """Build the HF model on the meta device, shard it with FSDP2, fill it from rank 0's checkpoint.
@@ -178,7 +147,8 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
     if with_adapters and device.type == "cuda":  # the frozen base needs no fp32 master copy (peft keeps adapters fp32)
         dtype = torch.bfloat16
     with torch.device("meta"):
-        model = model_class(config).from_config(config, dtype=dtype, attn_implementation=attention_implementation(device))
+        model = model_class(config).from_config(config, dtype=dtype,
+                                                attn_implementation=attention_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model = model
@@ -206,7 +176,8 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
     if full is not None and with_adapters:  # the same wrapping, with peft's initial adapters (B = 0)
         full = add_adapters(full, lora)
     full = {**dict(full.named_parameters()), **dict(full.named_buffers())} if full is not None else {}
-    with torch.no_grad():  # every tensor through the training device (NCCL moves GPU tensors only); each rank keeps its shard
+    # every tensor through the training device (NCCL moves GPU tensors only); each rank keeps its shard
+    with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             source = full[name].to(device) if full else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
             dist.broadcast(source, src=0)
@@ -224,6 +195,29 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
         model.requires_grad_(trainable)
     model.train(trainable)
     return model
+
+
+def load_actor_and_reference(actor_cfg, lora_cfg: LoRAConfig, model_path: str, device: torch.device, uses_kl: bool,
+                             vision_language: bool, say):
+    """The actor (`actor_cfg`: grpo.ActorConfig) and the frozen reference: None without KL, and with LoRA (the
+    actor with its adapters off is one)."""
+    lora = lora_cfg.rank > 0
+    actor_dtype = getattr(torch, actor_cfg.dtype)  # with LoRA on GPU, load_sharded_model stores the base in bf16
+    actor = load_sharded_model(model_path, device, trainable=True, dtype=actor_dtype,
+                               cpu_offload=actor_cfg.fsdp_cpu_offload,
+                               gradient_checkpointing=actor_cfg.gradient_checkpointing, lora=lora_cfg)
+    ref_dtype = torch.bfloat16 if device.type == "cuda" else actor_dtype  # frozen: no fp32 master copy needed
+    ref = (load_sharded_model(model_path, device, trainable=False, dtype=ref_dtype,
+                              cpu_offload=actor_cfg.fsdp_cpu_offload) if uses_kl and not lora else None)
+    if lora:
+        trainable = sum(p.numel() for p in actor.parameters() if p.requires_grad)
+        say(f"LoRA rank {lora_cfg.rank}: {trainable:,} trainable parameters of "
+            f"{sum(p.numel() for p in actor.parameters()):,}; the reference is the base (adapters off)")
+    if actor_cfg.freeze_vision_tower:
+        if not vision_language:
+            raise SystemExit(f"--actor.freeze-vision-tower: {actor_cfg.model_path} has no vision tower")
+        base_of(actor).model.visual.requires_grad_(False)
+    return actor, ref
 
 
 def move_training_state(device: torch.device | str, models: list, optimizer: torch.optim.Optimizer | None) -> None:

@@ -5,12 +5,12 @@ Run the built-in demo (tiny model, synthetic task, CPU or GPU, no downloads):
 A preset from configs/ plus flag overrides (every config field is a flag, see --help):
     torchrun --nproc_per_node 8 grpo.py math --actor.model-path Qwen/Qwen2.5-1.5B-Instruct
 
-Launched again, it resumes from the run folder's latest checkpoint (checkpoints.py).
+Launched again, it resumes from the run folder's latest checkpoint (plumbing/checkpoints.py).
 
 One training step:
     generate (vLLM) -> rewards -> old/ref log-probs -> advantages -> PPO epochs x mini-batches x
     micro-batches (loss, backward), clip, optimizer step -> LR step -> sync weights into vLLM -> validate,
-    log (trackers.py) -> save a checkpoint
+    log (plumbing/trackers.py) -> save a checkpoint
     (with one optimizer step per rollout batch the old log-probs are the update's own: no pass of their own)
 Design decisions:
 - The algorithm is a handful of pure tensor functions (ALGORITHM banner) registered by name; the rest is
@@ -27,8 +27,6 @@ import json
 import math
 import os
 import sys
-import time
-import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -38,28 +36,27 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import tyro
-import yaml
 from torch.distributed.tensor import DTensor
 
-from attention import attention_line
-from balance import balance_over_ranks
-from checkpoints import (agree_on_resume_point, load_checkpoint, prepare_run_folder, read_state, save_checkpoint,
-                         stop_note)
-from console import INTERRUPT_NOTES, did_you_mean, parse_quietly, quiet_libraries, report_once, run
-from data import (DataConfig, PromptDataset, PromptItem, PromptLoader, load_rows, parse_spec, shard,
-                  validation_files)
-from fsdp_utils import (HF_MARKER, TrainingState, all_reduce, check_model_source, check_output_folder, init_distributed,
-                        load_sharded_model, save_hf_model, sum_over_ranks, to_floats)
-from logprobs import batched_logprobs, make_batch, micro_batches, response_logprobs, select
-from lora import LoRAConfig, adapters_off, base_of
-from memory import check_run_memory
-from metrics import PhaseTimer, logprob_metrics, peak_memory, score_metrics, step_line
-from optimizer import build_optimizer, lr_lambda
-from rewards import RewardConfig, RewardFunction, RewardInput
-from rollout import Response, RolloutConfig, build_rollout, vllm_environment
-from tiny import ARCHITECTURES, VISION_ARCHITECTURES, resolve_model
-from trackers import Trackers, check_loggers
+from data import DataConfig, PromptItem, PromptLoader, load_datasets, parse_spec, shard
+from fsdp_utils import (HF_MARKER, TrainingState, check_model_source, check_output_folder, init_distributed,
+                        load_actor_and_reference, save_hf_model)
+from logprobs import Batch, batched_logprobs, make_batch, micro_batches, response_logprobs
+from lora import LoRAConfig, adapters_off
+from plumbing.attention import attention_line
+from plumbing.balance import balance_over_ranks
+from plumbing.checkpoints import (agree_on_resume_point, prepare_run_folder, read_state, resume, save_checkpoint,
+                                  stop_note)
+from plumbing.cli import check_flags, default_run_name, parse_command_line
+from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
+from plumbing.console import INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_libraries, report_once, run
+from plumbing.memory import check_run_memory
+from plumbing.metrics import PhaseTimer, logprob_metrics, score_metrics, step_totals
+from plumbing.optimizer import build_optimizer, build_scheduler
+from plumbing.tiny import ARCHITECTURES, VISION_ARCHITECTURES, resolve_model
+from plumbing.trackers import Trackers, check_loggers
+from rewards import RewardConfig, RewardError, RewardFunction, RewardInput
+from rollout import Response, RolloutConfig, start_engine, vllm_environment
 from vision import expand_prompt, is_vision_language
 
 
@@ -84,21 +81,25 @@ class ActorConfig:
     micro_batch_size: int = 64
     """Sequences per forward/backward on each rank (gradient accumulation over the mini-batch)."""
     max_tokens_per_micro_batch: int = 0
-    """Form micro-batches by this token budget instead of --actor.micro-batch-size, the same number on every rank (0: off)."""
+    """Form micro-batches by this token budget instead of --actor.micro-batch-size, the same number on every rank
+    (0: off)."""
     padding_free: bool = True
     """Pack each micro-batch's sequences into one row, no padding (flash-attn varlen on GPU; logprobs.py)."""
     balance_ranks: bool = True
-    """Before the update, move sequences between ranks so each holds about as many tokens (balance.py)."""
+    """Before the update, move sequences between ranks so each holds about as many tokens (plumbing/balance.py)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Stored (master) dtype of the actor's parameters; on GPU the compute is bf16 either way."""
     optimizer: Literal["adamw", "adamw_bf16"] = "adamw"
-    """adamw: torch's AdamW (moments in the parameters' dtype); adamw_bf16: bf16 moments, fp32 arithmetic (optimizer.py)."""
+    """adamw: torch's AdamW (moments in the parameters' dtype); adamw_bf16: bf16 moments, fp32 arithmetic
+    (plumbing/optimizer.py)."""
     fsdp_cpu_offload: bool = False
-    """FSDP2 CPU offload: parameters, gradients and AdamW states live in CPU memory (slow; for models that do not fit)."""
+    """FSDP2 CPU offload: parameters, gradients and AdamW states live in CPU memory (slow; for models that do not
+    fit)."""
     offload_while_generating: bool = False
-    """Move the actor, reference and AdamW states to CPU memory while vLLM generates, so the engine can use that memory."""
+    """Move the actor, reference and AdamW states to CPU memory while vLLM generates, so the engine can use that
+    memory."""
     freeze_vision_tower: bool = False
     """Vision-language models: train the language model only; the vision tower keeps its weights."""
 
@@ -106,7 +107,8 @@ class ActorConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator: a name in ADVANTAGE_ESTIMATORS (listed at the top of --help; presets pick the matching loss)."""
+    """Advantage estimator: a name in ADVANTAGE_ESTIMATORS (listed at the top of --help; presets pick the matching
+    loss)."""
     loss_type: str = "ppo_clip"
     """Policy loss: a name in POLICY_LOSSES (listed at the top of --help)."""
     clip_ratio_low: float = 0.2
@@ -166,15 +168,18 @@ class TrainerConfig:
     val_before_train: bool = True
     """Validate once before the first step."""
     save_freq: int = 20
-    """Save a checkpoint (model, optimizer, scheduler, RNG, data position) every this many steps and after the last; 0: never."""
+    """Save a checkpoint (model, optimizer, scheduler, RNG, data position) every this many steps and after the last;
+    0: never."""
     save_limit: int = 3
     """Keep the newest this many checkpoints, plus the best by --trainer.best-metric; 0: keep all."""
     save_model_only: bool = False
     """Checkpoints without the optimizer state (a third of the size; a resume restarts AdamW's moments)."""
     best_metric: str = "val/reward_overall"
-    """Metric (higher is better) that ranks checkpoints saved at validating steps, for --trainer.resume best and the save limit."""
+    """Metric (higher is better) that ranks checkpoints saved at validating steps, for --trainer.resume best and the
+    save limit."""
     resume: str = "auto"
-    """auto: continue from the run folder's latest checkpoint if it has one; never; best; or a checkpoint folder's path."""
+    """auto: continue from the run folder's latest checkpoint if it has one; never; best; or a checkpoint folder's
+    path."""
     save_final: bool = True
     """Save the trained model as a Hugging Face folder in the run folder at the end."""
     output_dir: str = "runs"
@@ -182,11 +187,12 @@ class TrainerConfig:
     project_name: str = "grpo"
     """Project name in the trackers (wandb, swanlab, mlflow experiment)."""
     experiment_name: str = ""
-    """Run folder name (output_dir/experiment_name) and the run's name in the trackers; empty: the preset's name, or `<model>_<data>` without one."""
+    """Run folder name (output_dir/experiment_name) and the run's name in the trackers; empty: the preset's name, or
+    `<model>_<data>` without one."""
     logger: tuple[str, ...] = ("console", "jsonl")
-    """Where metrics go, several at once: console jsonl tensorboard wandb swanlab mlflow (trackers.py)."""
+    """Where metrics go, several at once: console jsonl tensorboard wandb swanlab mlflow (plumbing/trackers.py)."""
     verbose: bool = False
-    """Show the libraries' logs, warnings and progress bars from every rank (hidden by default; console.py)."""
+    """Show the libraries' logs, warnings and progress bars from every rank (hidden by default; plumbing/console.py)."""
     seed: int = 1
     """Seed of the model-side randomness (data order and sampling have their own seeds)."""
     dist_timeout_minutes: float = 30.0
@@ -216,9 +222,12 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}  # name -> fn(AdvantageInputs, Al
 POLICY_LOSSES: dict[str, Callable] = {}  # name -> fn(*, logprobs, old_logprobs, advantages, mask, cfg) -> (loss, stats)
 
 
-def register(registry: dict, name: str):
-    """Decorator: file a function in `registry` under `name`, the config value that selects it."""
+def register(registry: dict, name: str, **needs):
+    """Decorator: file a function in `registry` under `name`, the config value that selects it. `needs`: what it
+    asks of the step, kept as the function's attributes (an estimator's greedy_baseline=True: a greedy response
+    per prompt, whose score is the group's baseline)."""
     def add(fn):
+        fn.__dict__.update(needs)
         registry[name] = fn
         return fn
     return add
@@ -259,7 +268,8 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.
                   cfg: "AlgorithmConfig", kl_coef: float, sum_over_ranks=lambda x: x) -> tuple[torch.Tensor, float]:
     """Token rewards [B, R] and the KL-in-reward coefficient for the next step.
 
-    r_t = R_b (the response's score, scores [B]) on its last valid token, 0 elsewhere; with KL in the reward
+    r_t = R_b (the response's score, scores [B]) on its last valid token (a mask may have holes: tokens the model
+    did not generate, such as a tool's output), 0 elsewhere; with KL in the reward
     (use_kl_in_reward), minus beta * KL_t(old policy || reference) on every valid token. The coefficient
     beta = kl_coef stays fixed, or (kl_type adaptive, Ziegler et al. 2019) moves towards kl_target:
     beta' = beta * (1 + clip(KL / target - 1, -0.2, 0.2) * B / horizon), KL the mean per valid token and B
@@ -267,7 +277,7 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.
     Example: score 1, two valid tokens with k1 KL [0.2, 0.4], beta 0.1 -> [[-0.02, 0.96]]; adaptive with
     target 0.1, horizon 10: KL 0.3 (error clipped to 0.2), B 1 -> beta' = 0.1 * (1 + 0.2 / 10) = 0.102.
     """
-    last = mask.sum(-1, keepdim=True).long() - 1  # [B, 1]
+    last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1, keepdim=True)  # [B, 1]
     rewards = torch.zeros_like(mask).scatter(1, last, scores[:, None].to(mask.dtype))  # [B, R]
     if not cfg.use_kl_in_reward:
         return rewards, kl_coef
@@ -349,7 +359,7 @@ def rloo_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
     return x.per_token(s - (s.sum(-1, keepdim=True) - s) / (x.n - 1))
 
 
-@register(ADVANTAGE_ESTIMATORS, "remax")
+@register(ADVANTAGE_ESTIMATORS, "remax", greedy_baseline=True)
 def remax_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
     """ReMax: A_i = R_i - b_g, b_g = the reward of the prompt's greedy response (an extra rollout, temperature 0).
 
@@ -362,20 +372,21 @@ def remax_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor
 
 @register(ADVANTAGE_ESTIMATORS, "reinforce_plus_plus")
 def reinforce_pp_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
-    """REINFORCE++: returns G_t = r_t + gamma G_{t+1} (reset past the EOS), whitened over every valid
-    token of the whole batch (all ranks): A = (G - mean) / sqrt(var + 1e-8) (Bessel-corrected var, as EasyR1).
+    """REINFORCE++: returns G_t = r_t + gamma G_t' over the valid tokens (t' the next valid token: a masked
+    token, padding or a hole such as a tool's output, is skipped, neither rewarded nor discounted), whitened over
+    every valid token of the whole batch (all ranks): A = (G - mean) / sqrt(var + 1e-8) (Bessel-corrected var,
+    as EasyR1).
 
     Works on the token rewards themselves. Example, gamma 1: rewards [[0, 1], [0, 0]] -> returns [[1, 1],
-    [0, 0]] -> [[.866]*2, [-.866]*2]. Padding gets 0 (the reference leaves (0 - mean) / std there; no loss
-    reads it either way).
+    [0, 0]] -> [[.866]*2, [-.866]*2]. With a hole, gamma 0.5, mask [1, 0, 1], rewards [0, 0, 1] -> returns
+    [0.5, -, 1]. Masked tokens get 0 (the reference leaves (0 - mean) / std on padding; no loss reads it).
     """
     rewards, mask = x.token_rewards, x.mask
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])  # [B]
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + cfg.gamma * running
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + cfg.gamma * running, running)
         returns[:, t] = running
-        running = running * mask[:, t]  # nothing flows back from padding past the EOS
     count, total = x.sum_over_ranks(torch.stack([mask.sum(), (returns * mask).sum()]))
     mean = total / count
     var = x.sum_over_ranks(((returns - mean).square() * mask).sum()) / (count - 1).clamp(min=1)
@@ -519,23 +530,25 @@ def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: C
     """Generate and score rounds of prompts until this rank holds its share of groups.
 
     One round, unless dynamic sampling drops groups: then more rounds, in lockstep over all ranks, until
-    every rank has rollout_batch_size / world_size kept groups (extras are cut). ReMax also generates one
-    greedy response per prompt, whose score is that group's baseline. Returns the groups and sampling stats.
+    every rank has rollout_batch_size / world_size kept groups (extras are cut). An estimator that needs a
+    greedy baseline (ReMax) also gets one greedy response per prompt, whose score is that group's baseline.
+    Returns the groups and sampling stats.
     """
     algo = cfg.algorithm
+    greedy_baseline = getattr(ADVANTAGE_ESTIMATORS[algo.adv_estimator], "greedy_baseline", False)
     quota = cfg.trainer.rollout_batch_size // dist.get_world_size()
     kept, generated = [], 0
     for rounds in range(1, algo.max_sampling_rounds + 1):
         items = loader.next_batch()
         with timer("generate"):
             responses = rollout.generate(items, version)
-            greedy = rollout.generate(items, version, greedy=True) if algo.adv_estimator == "remax" else None
+            greedy = rollout.generate(items, version, greedy=True) if greedy_baseline else None
         with timer("reward"):
             groups = score_groups(reward_fn, tokenizer, items, responses)
             for group, greedy_group in zip(groups, score_groups(reward_fn, tokenizer, items, greedy) if greedy else []):
                 group.baseline = greedy_group.scores[0]["overall"]
-        kept += [g for g in groups
-                 if not algo.online_filtering or keep_group(g.scores, algo.filter_key, algo.filter_low, algo.filter_high)]
+        kept += [g for g in groups if not algo.online_filtering
+                 or keep_group(g.scores, algo.filter_key, algo.filter_low, algo.filter_high)]
         generated += len(items)
         if not algo.online_filtering or all_reduce({"kept": len(kept)}, device, dist.ReduceOp.MIN)["kept"] >= quota:
             break
@@ -549,62 +562,57 @@ def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: C
     return kept, {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": totals["kept"] / totals["generated"]}
 
 
-def backward_mini_batch(model, batch: dict, old_logprobs, ref_logprobs, advantages, cfg: Config) -> dict:
+def backward_mini_batch(model, batch: Batch, cfg: Config) -> tuple[dict, torch.Tensor]:
     """Loss and backward over the micro-batches of one mini-batch (this rank's share of it).
 
     The accumulated gradient equals that of the whole mini-batch on all ranks at once: every micro-batch's
     loss is already divided by the global count (aggregate), and FSDP sums gradients over ranks instead of
-    averaging them (fsdp_utils.load_sharded_model). `old_logprobs` None: the batch is on-policy (one optimizer
-    step per rollout batch), so the old log-probs are this forward's own, detached, and returned as
-    sums["old_logprobs"]. Returns sums of per-token statistics (and the token count) for logging, as tensors
-    on the batch's device.
+    averaging them (fsdp_utils.load_sharded_model). Without old log-probs (`batch.old_logprobs` None: one
+    optimizer step per rollout batch, on-policy) the ratio's old log-probs are this forward's own, detached.
+    Returns sums of per-token statistics (and the token count) for logging, as tensors on the batch's device,
+    and this forward's log-probs [B, R], detached.
     """
     algo = cfg.algorithm
-    mask = batch["response_mask"]
-    counts = all_reduce({"tokens": mask.sum(), "sequences": mask.shape[0]}, mask.device)
+    mask = batch.response_mask
+    counts = all_reduce({"tokens": mask.sum(), "sequences": len(batch)}, mask.device)
     token_sum_norm = algo.token_sum_norm or cfg.rollout.max_response_length
     sums: dict[str, torch.Tensor] = {"tokens": mask.sum()}
-    on_policy = old_logprobs is None
-    if on_policy:
-        old_logprobs = torch.zeros_like(mask)  # [B, R], filled micro-batch by micro-batch below
+    own = torch.zeros_like(mask)  # [B, R], filled micro-batch by micro-batch
     for rows in micro_batches(batch, cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch):
-        index = torch.tensor(rows, device=mask.device)
-        micro, micro_mask = select(batch, rows), mask[index]
+        micro = batch.select(rows)
         logprobs = response_logprobs(model, micro, cfg.rollout.temperature, cfg.actor.padding_free)  # [b, R]
-        if on_policy:
-            old_logprobs[index] = logprobs.detach()
-        loss, stats = POLICY_LOSSES[algo.loss_type](logprobs=logprobs, old_logprobs=old_logprobs[index],
-                                                    advantages=advantages[index], mask=micro_mask, cfg=algo)
+        own[torch.tensor(rows, device=mask.device)] = logprobs.detach()
+        old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+        loss, stats = POLICY_LOSSES[algo.loss_type](logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
+                                                    mask=micro.response_mask, cfg=algo)
         stats["actor/pg_loss"] = loss.detach()
         if algo.use_kl_loss:
-            kl = kl_penalty(logprobs, ref_logprobs[index], algo.kl_penalty)
+            kl = kl_penalty(logprobs, micro.ref_logprobs, algo.kl_penalty)
             loss = loss + algo.kl_coef * kl
             stats["actor/kl_loss"] = kl.detach()
-        aggregate(loss, micro_mask, algo.loss_agg_mode, global_tokens=counts["tokens"],
+        aggregate(loss, micro.response_mask, algo.loss_agg_mode, global_tokens=counts["tokens"],
                   global_sequences=counts["sequences"], token_sum_norm=token_sum_norm).backward()
         for key, value in stats.items():
-            sums[key] = sums.get(key, 0.0) + (value * micro_mask).sum()
-    if on_policy:
-        sums["old_logprobs"] = old_logprobs
-    return sums
+            sums[key] = sums.get(key, 0.0) + (value * micro.response_mask).sum()
+    return sums, own
 
 
-def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, advantages,
-                  cfg: Config) -> tuple[dict, torch.Tensor]:
-    """PPO epochs x mini-batches, one optimizer step each. Returns the metrics and the old log-probs [B, R]:
-    the ones given, or (`old_logprobs` None, on-policy: one epoch, one mini-batch) the update's own."""
+def update_policy(model, optimizer, batch: Batch, cfg: Config) -> tuple[dict, torch.Tensor]:
+    """PPO epochs x mini-batches, one optimizer step each. Returns the metrics and the log-probs [B, R] of each
+    mini-batch's first forward, before its optimizer step: without `batch.old_logprobs` (on-policy: one epoch,
+    one mini-batch) these are the old log-probs."""
     mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n // dist.get_world_size()
-    if old_logprobs is None and (cfg.trainer.ppo_epochs > 1 or batch["input_ids"].shape[0] > mini_batch):
+    if batch.old_logprobs is None and (cfg.trainer.ppo_epochs > 1 or len(batch) > mini_batch):
         raise ValueError("several optimizer steps per rollout batch need the old log-probs computed before the first")
     sums: dict[str, torch.Tensor] = {}
+    first_logprobs = torch.zeros_like(batch.response_mask)  # [B, R]
     grad_norms, skipped = [], 0
-    for _ in range(cfg.trainer.ppo_epochs):
-        for start in range(0, batch["input_ids"].shape[0], mini_batch):
+    for epoch in range(cfg.trainer.ppo_epochs):
+        for start in range(0, len(batch), mini_batch):
             index = slice(start, start + mini_batch)
-            ref = ref_logprobs[index] if ref_logprobs is not None else None
-            old = old_logprobs[index] if old_logprobs is not None else None
-            mini_sums = backward_mini_batch(model, select(batch, index), old, ref, advantages[index], cfg)
-            old_logprobs = mini_sums.pop("old_logprobs", old_logprobs)
+            mini_sums, logprobs = backward_mini_batch(model, batch.select(index), cfg)
+            if epoch == 0:
+                first_logprobs[index] = logprobs
             for key, value in mini_sums.items():
                 sums[key] = sums.get(key, 0.0) + value
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.max_grad_norm)
@@ -615,11 +623,11 @@ def update_policy(model, optimizer, batch: dict, old_logprobs, ref_logprobs, adv
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
-    totals = all_reduce(sums, batch["response_mask"].device)
+    totals = all_reduce(sums, batch.response_mask.device)
     metrics = {k: v / totals["tokens"] for k, v in totals.items() if k != "tokens"}
     metrics.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/optimizer_steps": len(grad_norms),
                     "actor/skipped_steps": skipped})
-    return metrics, old_logprobs
+    return metrics, first_logprobs
 
 
 def validate(rollout, val_items, step, tokenizer, reward_fn, device: torch.device) -> tuple[dict, list[dict]]:
@@ -631,82 +639,29 @@ def validate(rollout, val_items, step, tokenizer, reward_fn, device: torch.devic
     return score_metrics("val", groups, device), samples
 
 
-def start_engine(cfg: Config, model_path: str, actor, state: TrainingState, resumed_step: int | None):
-    """The rollout engine, started with the training state in host memory when it is offloaded while generating;
-    a resumed run's engine then gets the resumed weights: it sleeps (GPU) before the state comes back to the
-    device for the stream, which moves the state out again before the engine's KV cache wakes."""
-    state.to_host()
-    rollout = build_rollout(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-                            state.device, actor)
-    if resumed_step is not None:
-        rollout.sleep()
-        state.to_device()
-        rollout.sync_weights(actor, version=resumed_step, on_loaded=state.to_host)
-    return rollout
-
-
 def check_config(cfg: Config, world_size: int) -> None:
-    """Fail before anything is loaded, naming the flag to change."""
-    t, n, r, a = cfg.trainer, cfg.rollout.n, cfg.rollout, cfg.actor
-    bounds = {"trainer.total-steps": (t.total_steps, 1), "trainer.rollout-batch-size": (t.rollout_batch_size, 1),
-              "trainer.global-batch-size": (t.global_batch_size, 1), "trainer.ppo-epochs": (t.ppo_epochs, 1),
-              "trainer.save-freq": (t.save_freq, 0), "trainer.val-freq": (t.val_freq, 0),
-              "trainer.save-limit": (t.save_limit, 0), "actor.lr": (a.lr, 0), "actor.warmup-steps": (a.warmup_steps, 0),
-              "actor.micro-batch-size": (a.micro_batch_size, 1), "rollout.n": (n, 1), "rollout.val-n": (r.val_n, 1),
-              "rollout.max-response-length": (r.max_response_length, 1), "rollout.val-temperature": (r.val_temperature, 0),
-              "data.max-prompt-length": (cfg.data.max_prompt_length, 1), "algorithm.kl-coef": (cfg.algorithm.kl_coef, 0)}
-    problems = [f"--{flag} {value} must be at least {low}" for flag, (value, low) in bounds.items() if value < low]
-    if r.temperature <= 0:
-        problems.append(f"--rollout.temperature {r.temperature} must be above 0: the trainer divides its logits by it, "
-                        "and at 0 the n responses to a prompt are one and the same (--rollout.val-temperature may be 0)")
-    if not (0 < r.top_p <= 1 and 0 < r.val_top_p <= 1):
-        problems.append(f"--rollout.top-p {r.top_p} and --rollout.val-top-p {r.val_top_p} must be in (0, 1]")
-    if problems:  # the checks below divide by these numbers
-        raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
-    if t.rollout_batch_size % world_size:
-        problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} must be divisible by the world size {world_size}")
-    if t.rollout_batch_size % t.global_batch_size:
-        problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} must be a multiple of --trainer.global-batch-size {t.global_batch_size}")
-    if (t.global_batch_size * n) % world_size:
-        problems.append(f"--trainer.global-batch-size x --rollout.n ({t.global_batch_size} x {n}) must be divisible by the world size {world_size}")
-    longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    if 0 < cfg.actor.max_tokens_per_micro_batch < longest:
-        problems.append(f"--actor.max-tokens-per-micro-batch {cfg.actor.max_tokens_per_micro_batch} must hold the longest "
-                        f"sequence, --data.max-prompt-length + --rollout.max-response-length = {longest} tokens")
-    if cfg.actor.offload_while_generating and cfg.rollout.engine == "hf":
-        problems.append("--actor.offload-while-generating: the hf engine generates with the actor itself; use "
-                        "--rollout.engine vllm or drop the flag")
-    algo = cfg.algorithm
-    if algo.adv_estimator not in ADVANTAGE_ESTIMATORS:
-        problems.append(f"--algorithm.adv-estimator {algo.adv_estimator!r}"
-                        f"{did_you_mean(algo.adv_estimator, ADVANTAGE_ESTIMATORS)}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
-    else:  # a dry run on one group of n zero rewards finds what an estimator needs of n
-        zeros = torch.zeros(n, 1)
-        try:
-            ADVANTAGE_ESTIMATORS[algo.adv_estimator](AdvantageInputs(zeros, zeros + 1, n, torch.zeros(1)), algo)
-        except ValueError as error:
-            problems.append(f"--rollout.n {n}: {algo.adv_estimator} compares responses within a group ({error})")
-    if algo.loss_type not in POLICY_LOSSES:
-        problems.append(f"--algorithm.loss-type {algo.loss_type!r}{did_you_mean(algo.loss_type, POLICY_LOSSES)}: "
-                        f"choose one of {sorted(POLICY_LOSSES)}")
-    if algo.use_kl_loss and algo.use_kl_in_reward:
-        problems.append("--algorithm.use-kl-loss and --algorithm.use-kl-in-reward: pick one place for the KL")
-    if algo.online_filtering and algo.max_sampling_rounds < 1:
-        problems.append("--algorithm.max-sampling-rounds must be at least 1")
-    if cfg.rollout.engine == "hf" and cfg.rollout.tensor_parallel_size != 1:
-        problems.append("--rollout.tensor-parallel-size applies to the vllm engine; the hf engine generates with the "
-                        "trainer's own model on each rank: drop the flag or use --rollout.engine vllm")
-    if world_size % cfg.rollout.tensor_parallel_size:
-        problems.append(f"--rollout.tensor-parallel-size {cfg.rollout.tensor_parallel_size} must divide the world size {world_size}")
-    if problems:
-        raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
+    """Fail before anything is loaded, naming the flag to change (plumbing/cli.py, with this file's registries)."""
+    check_flags(cfg, world_size, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs)
+
+
+def batch_of(groups: list[Group], processor, pad_id: int, device: torch.device) -> Batch:
+    """The trainer's batch of a step's groups: a row per response, after its prompt (a vision-language prompt with
+    its images' tokens and tensors, vision.expand_prompt)."""
+    prompts, responses, engine_logprobs, vision = [], [], [], []
+    for group in groups:
+        prompt_ids, images = expand_prompt(processor, group.item) if processor else (group.item["prompt_ids"], None)
+        for response in group.responses:
+            prompts.append(prompt_ids)
+            responses.append(response.token_ids)
+            engine_logprobs.append(response.logprobs)
+            vision.append(images)
+    return make_batch(prompts, responses, pad_id, engine_logprobs, device, vision if processor else None)
 
 
 def main(cfg: Config) -> None:
     quiet_libraries(cfg.trainer.verbose)
     vllm_environment()
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -736,75 +691,46 @@ def main(cfg: Config) -> None:
     # ---- data, reward, models, engine ------------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # a vision-language model's processor renders prompts with images and knows what an image costs in tokens
-    processor = AutoProcessor.from_pretrained(model_path) if is_vision_language(AutoConfig.from_pretrained(model_path)) else None
-    train_set = PromptDataset(load_rows(cfg.data.train_files), cfg.data, tokenizer, cfg.data.train_files, processor)
-    val_files, val_note = validation_files(cfg.data.train_files, cfg.data.val_files)  # never another dataset by default
-    val_set = PromptDataset(load_rows(val_files), cfg.data, tokenizer, val_files, processor) if val_files else None
-    console.print(f"data: {len(train_set)} training prompts ({train_set.num_filtered} longer than "
-                  f"{cfg.data.max_prompt_length} tokens dropped), {len(val_set) if val_set else 0} validation prompts; "
-                  + val_note)
+    vision_language = is_vision_language(AutoConfig.from_pretrained(model_path))
+    processor = AutoProcessor.from_pretrained(model_path) if vision_language else None
+    train_set, val_set = load_datasets(cfg.data, tokenizer, processor, console.print)
     console.print(attention_line(device))
     loader = PromptLoader(train_set, cfg.trainer.rollout_batch_size, rank, world, cfg.data.seed, cfg.data.shuffle)
     val_items = shard(val_set, rank, world) if val_set else []
     reward_fn = RewardFunction(cfg.reward, cfg.rollout.max_response_length, report=report_once)
-
     algo = cfg.algorithm
     uses_kl = algo.use_kl_loss or algo.use_kl_in_reward
     if device.type == "cuda":  # refuse a run that cannot fit now, not with an out-of-memory error minutes later
-        estimate = check_run_memory(cfg, model_path, world, torch.cuda.get_device_properties(device).total_memory)
-        console.print(f"memory estimate per GPU (memory.py): rollout {estimate.rollout_total / 2**30:.1f} GiB, training "
-                      f"{estimate.training_total / 2**30:.1f} GiB, of {estimate.gpu_bytes / 2**30:.1f} GiB")
-    lora = cfg.lora.rank > 0
-    actor_dtype = getattr(torch, cfg.actor.dtype)  # with LoRA on GPU, load_sharded_model stores the base in bf16
-    actor = load_sharded_model(model_path, device, trainable=True, dtype=actor_dtype, cpu_offload=cfg.actor.fsdp_cpu_offload,
-                               gradient_checkpointing=cfg.actor.gradient_checkpointing, lora=cfg.lora)
-    ref_dtype = torch.bfloat16 if device.type == "cuda" else actor_dtype  # frozen: no fp32 master copy needed
-    ref = (load_sharded_model(model_path, device, trainable=False, dtype=ref_dtype, cpu_offload=cfg.actor.fsdp_cpu_offload)
-           if uses_kl and not lora else None)  # no KL: no reference; LoRA: the actor with its adapters off is one
-    if lora:
-        trainable = sum(p.numel() for p in actor.parameters() if p.requires_grad)
-        console.print(f"LoRA rank {cfg.lora.rank}: {trainable:,} trainable parameters of "
-                      f"{sum(p.numel() for p in actor.parameters()):,}; the reference is the base (adapters off)")
-    if cfg.actor.freeze_vision_tower:
-        if processor is None:
-            raise SystemExit(f"--actor.freeze-vision-tower: {cfg.actor.model_path} has no vision tower")
-        base_of(actor).model.visual.requires_grad_(False)
+        gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+        console.print(check_run_memory(cfg, model_path, world, gpu_bytes).summary())
+    actor, ref = load_actor_and_reference(cfg.actor, cfg.lora, model_path, device, uses_kl, vision_language,
+                                          say=console.print)
     optimizer = build_optimizer(actor.parameters(), cfg.actor.optimizer, cfg.actor.lr, cfg.actor.betas,
                                 cfg.actor.weight_decay)
-    # a non-finite gradient skips optimizer.step() on purpose (update_policy): torch would warn at the scheduler's step
-    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.actor.warmup_steps, cfg.actor.lr_schedule,
-                                                                       cfg.actor.min_lr_ratio, cfg.trainer.total_steps))
-    kl_coef = algo.kl_coef  # the KL-in-reward coefficient; token_rewards() returns the next one (adaptive KL)
+    scheduler = build_scheduler(optimizer, cfg.actor.warmup_steps, cfg.actor.lr_schedule, cfg.actor.min_lr_ratio,
+                                cfg.trainer.total_steps)
+    kl_coef = algo.kl_coef  # the KL-in-reward coefficient (token_rewards() returns the next one: adaptive KL)
     if start is not None:  # everything a step depends on, as it was after the checkpoint's step
-        state = load_checkpoint(start, actor, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        loader.load_state_dict(state["loader"])
-        kl_coef = state["kl_coef"]
-        console.print(f"resumed from {start} (step {state['step']}"
-                      + (", model only: AdamW restarts from zero moments)" if state["model_only"] else ")"))
+        kl_coef = resume(start, actor, optimizer, scheduler, loader, console.print)["kl_coef"]
     training_state = TrainingState([actor] + ([ref] if ref is not None else []), optimizer, device,
                                    offload=cfg.actor.offload_while_generating)
-    rollout = start_engine(cfg, model_path, actor, training_state, first_step - 1 if start is not None else None)
+    rollout = start_engine(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                           actor, training_state, first_step - 1 if start is not None else None)
     # one optimizer step per rollout batch: the old log-probs are the update's own, no pass of their own (TRL's way)
     on_policy = (cfg.trainer.ppo_epochs == 1 and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
                  and not algo.use_kl_in_reward)
     mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n // world  # sequences per rank per optimizer step
+    passes = dict(temperature=cfg.rollout.temperature, micro_batch_size=cfg.actor.micro_batch_size,
+                  max_tokens=cfg.actor.max_tokens_per_micro_batch, padding_free=cfg.actor.padding_free)
     trackers = Trackers(list(cfg.trainer.logger) if rank == 0 else [], run_dir, dataclasses.asdict(cfg),
                         cfg.trainer.project_name, cfg.trainer.experiment_name, resume_step=first_step - 1)
-
-    history: list[dict] = []
-    start_time = time.perf_counter()
+    progress = RunProgress(console, cfg.trainer.total_steps, first_step, step_lines="console" in cfg.trainer.logger)
     if val_items and cfg.trainer.val_before_train and start is None:
         val_metrics, samples = validate(rollout, val_items, 0, tokenizer, reward_fn, device)
         val_metrics = to_floats(val_metrics)
-        trackers.log_generations(samples, step=0)
-        trackers.log(val_metrics, step=0)
+        trackers.log(val_metrics, 0, samples)
         console.print("validation before training: " + json.dumps({k: round(v, 4) for k, v in val_metrics.items()}))
-    columns = (TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
-               TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("train", total=cfg.trainer.total_steps, completed=first_step - 1)
+    with progress:
         for step in range(first_step, cfg.trainer.total_steps + 1):
             timer = PhaseTimer(device)
 
@@ -812,46 +738,37 @@ def main(cfg: Config) -> None:
             groups, metrics = collect_rollouts(rollout, loader, reward_fn, tokenizer, cfg, step - 1, timer, device)
             rollout.sleep()
             training_state.to_device()
-            responses = [r for g in groups for r in g.responses]
-            prompts = [expand_prompt(processor, g.item) if processor else (g.item["prompt_ids"], None) for g in groups]
-            batch = make_batch([ids for (ids, _), g in zip(prompts, groups) for _ in g.responses],
-                               [r.token_ids for r in responses], tokenizer.pad_token_id,
-                               [r.logprobs for r in responses], device,
-                               [images for (_, images), g in zip(prompts, groups) for _ in g.responses]
-                               if processor else None)
-            mask = batch["response_mask"]
+            batch = batch_of(groups, processor, tokenizer.pad_token_id, device)
 
             # ---- log-probs ---------------------------------------------------------------------------
-            passes = dict(temperature=cfg.rollout.temperature, micro_batch_size=cfg.actor.micro_batch_size,
-                          max_tokens=cfg.actor.max_tokens_per_micro_batch, padding_free=cfg.actor.padding_free)
-            with timer("old_logprob"):
-                old_logprobs = None if on_policy else batched_logprobs(actor, batch, **passes)
-            ref_logprobs = None  # no KL: no reference pass (and no timing/ref_logprob)
-            if uses_kl:
-                with timer("ref_logprob"), adapters_off(actor) if lora else nullcontext():
-                    ref_logprobs = batched_logprobs(actor if lora else ref, batch, **passes)
+            with timer("old_logprob"):  # on-policy: the update's own forward gives them
+                batch.old_logprobs = None if on_policy else batched_logprobs(actor, batch, **passes)
+            if uses_kl:  # no KL: no reference pass (and no timing/ref_logprob)
+                with timer("ref_logprob"), adapters_off(actor) if ref is None else nullcontext():
+                    batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch, **passes)
 
             # ---- token rewards, advantages ---------------------------------------------------------------
             scores = torch.tensor([s["overall"] for g in groups for s in g.scores], device=device)  # [B]
             if algo.use_kl_in_reward:
                 metrics["actor/kl_reward_coef"] = kl_coef
-            rewards, kl_coef = token_rewards(scores, mask, old_logprobs, ref_logprobs, algo, kl_coef, sum_over_ranks)
+            rewards, kl_coef = token_rewards(scores, batch.response_mask, batch.old_logprobs, batch.ref_logprobs, algo,
+                                             kl_coef, sum_over_ranks)
             baselines = (torch.tensor([g.baseline for g in groups], device=device)  # [G]
                          if groups[0].baseline is not None else None)
-            advantages = ADVANTAGE_ESTIMATORS[algo.adv_estimator](
-                AdvantageInputs(rewards, mask, cfg.rollout.n, baselines, sum_over_ranks), algo)  # [B, R]
+            batch.advantages = ADVANTAGE_ESTIMATORS[algo.adv_estimator](
+                AdvantageInputs(rewards, batch.response_mask, cfg.rollout.n, baselines, sum_over_ranks), algo)  # [B, R]
 
             # ---- update ------------------------------------------------------------------------------
             if cfg.actor.balance_ranks and world > 1:
                 with timer("balance"):
-                    batch, (old_logprobs, ref_logprobs, advantages) = balance_over_ranks(
-                        batch, [old_logprobs, ref_logprobs, advantages], mini_batch, tokenizer.pad_token_id)
+                    batch = balance_over_ranks(batch, mini_batch, tokenizer.pad_token_id)
             with timer("update"):
-                update_metrics, old_logprobs = update_policy(actor, optimizer, batch, old_logprobs, ref_logprobs,
-                                                             advantages, cfg)
+                update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg)
                 scheduler.step()
+            if on_policy:
+                batch.old_logprobs = first_logprobs
             metrics.update(update_metrics)
-            metrics.update(logprob_metrics(batch, old_logprobs, ref_logprobs))
+            metrics.update(logprob_metrics(batch))
 
             # ---- sync the engine ---------------------------------------------------------------------
             with timer("sync"):  # the training state leaves the GPU (offload) before the engine's KV cache wakes
@@ -861,31 +778,20 @@ def main(cfg: Config) -> None:
             metrics.update(score_metrics("train", groups, device))
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
             samples = []
-            if val_items and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or step == cfg.trainer.total_steps):
+            last = step == cfg.trainer.total_steps
+            if val_items and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
                 with timer("validate"):
                     val_metrics, samples = validate(rollout, val_items, step, tokenizer, reward_fn, device)
                     metrics.update(val_metrics)
-            step_time = sum(timer.seconds.values())
-            metrics.update(timer.seconds)
-            sequence_tokens = all_reduce({"tokens": sum(batch["prompt_lengths"]) + sum(batch["response_lengths"])},
-                                         device)["tokens"]
-            metrics.update({"timing/step": step_time, "perf/tokens_per_s": sequence_tokens / step_time,
-                            **all_reduce(peak_memory(device), device, dist.ReduceOp.MAX)})
-            metrics = to_floats(metrics)  # the one device-to-host copy of the step's numbers
-            history.append({"step": step, **metrics})
-            trackers.log_generations(samples, step)
-            trackers.log(metrics, step)  # before the checkpoint: a resume from it never misses this step's line
-            if "console" in cfg.trainer.logger:
-                progress.console.print(step_line(step, metrics))
-            if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or step == cfg.trainer.total_steps):
-                save_start = time.perf_counter()
-                path = save_checkpoint(run_dir, step, actor, optimizer,
-                                       {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                                        "kl_coef": kl_coef, "score": metrics.get(cfg.trainer.best_metric), **job},
-                                       model_only=cfg.trainer.save_model_only, save_limit=cfg.trainer.save_limit,
-                                       best_metric=cfg.trainer.best_metric)
-                progress.console.print(f"saved {path} in {time.perf_counter() - save_start:.1f}s")
-            progress.advance(task)
+            metrics = step_totals(metrics, timer, sum(batch.sequence_lengths), device)
+            trackers.log(metrics, step, samples)  # before the checkpoint: a resume from it never misses this line
+            progress.step(step, metrics)
+            if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or last):
+                save_checkpoint(run_dir, step, actor, optimizer,
+                                {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "kl_coef": kl_coef,
+                                 "score": metrics.get(cfg.trainer.best_metric), **job},
+                                model_only=cfg.trainer.save_model_only, save_limit=cfg.trainer.save_limit,
+                                best_metric=cfg.trainer.best_metric, say=progress.print)
 
     if cfg.trainer.save_final:
         save_hf_model(actor, processor or tokenizer, run_dir / "final", device, overwrite=True,
@@ -893,12 +799,7 @@ def main(cfg: Config) -> None:
                       "free some space and launch the same command to write it" if cfg.trainer.save_freq
                       else "the run saved no checkpoint (--trainer.save-freq 0)")
         console.print(f"saved the trained model to {run_dir / 'final'} (a Hugging Face folder)")
-    if history:
-        first, last = history[0], history[-5:]
-        console.print(f"done: steps {first['step']}-{history[-1]['step']} in {time.perf_counter() - start_time:.0f}s; "
-                      f"train reward {first['train/reward_overall']:.3f} (step {first['step']}) -> "
-                      f"{sum(h['train/reward_overall'] for h in last) / len(last):.3f} (mean of the last {len(last)} "
-                      f"steps); run folder {run_dir}")
+    progress.summary(run_dir)
     trackers.close()
     dist.barrier()
     rollout.shutdown()
@@ -908,47 +809,16 @@ def main(cfg: Config) -> None:
 
 def parse_config(argv: list[str]) -> Config:
     """`[PRESET] [--flags]`: a preset is a YAML file (or its name in configs/) overriding the defaults."""
-    default, preset = Config(), None
-    presets = sorted(p.stem for p in (Path(__file__).parent / "configs").glob("*.yaml"))
-    if argv and not argv[0].startswith("-"):
-        name, argv = argv[0], argv[1:]
-        path = Path(name) if name.endswith((".yaml", ".yml")) else Path(__file__).parent / "configs" / f"{name}.yaml"
-        if not path.exists():
-            raise SystemExit(f"unknown preset {name!r}{did_you_mean(name, presets)}: choose one of {presets} or give "
-                             "a path to a .yaml file")
-        default, preset = override(default, yaml.safe_load(path.read_text()) or {}, str(path)), path.stem
-    cfg = tyro.cli(Config, default=default, args=argv, prog="grpo.py [PRESET]", description=(
-        f"GRPO-style RL with an FSDP2 actor and vLLM. PRESET: a file of configs/ ({', '.join(presets)}) or a .yaml "
-        f"path; flags override it. Tiny random models (no download): --actor.model-path tiny:ARCH, ARCH one of "
+    cfg, preset = parse_command_line(Config, argv, Path(__file__).parent / "configs", "grpo.py [PRESET]", (
+        "GRPO-style RL with an FSDP2 actor and vLLM. PRESET: a file of configs/ ({presets}) or a .yaml path; flags "
+        "override it. Tiny random models (no download): --actor.model-path tiny:ARCH, ARCH one of "
         f"{', '.join(sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES))}. Advantage estimators: "
         f"{', '.join(ADVANTAGE_ESTIMATORS)}. Policy losses: {', '.join(POLICY_LOSSES)}."))
     if not cfg.trainer.experiment_name:
-        cfg.trainer.experiment_name = preset or default_run_name(cfg.actor.model_path, cfg.data.train_files)
+        data_path = parse_spec(cfg.data.train_files)[0]
+        cfg.trainer.experiment_name = preset or default_run_name(cfg.actor.model_path, data_path)
     return cfg
 
 
-def default_run_name(model_path: str, train_files: str) -> str:
-    """A run's name without a preset: `<model>_<data>` (tiny-qwen2_toy, Qwen2.5-7B-Instruct_math12k), the same for
-    the same job, so that launching it again resumes it, and another for another model or dataset."""
-    model = model_path.replace("tiny:", "tiny-").rstrip("/").rsplit("/", 1)[-1]
-    return f"{model}_{Path(parse_spec(train_files)[0].rstrip('/')).stem}"
-
-
-def override(config, changes: dict, where: str):
-    """Recursively replace dataclass fields with a preset's values, rejecting unknown keys."""
-    updates = {}
-    for key, value in changes.items():
-        if not hasattr(config, key):
-            keys = [f.name for f in dataclasses.fields(config)]
-            raise SystemExit(f"{where}: unknown key {key!r}{did_you_mean(key, keys)}; valid keys: {keys}")
-        current = getattr(config, key)
-        if dataclasses.is_dataclass(current):
-            value = override(current, value, f"{where}:{key}")
-        elif isinstance(current, tuple) and isinstance(value, list):  # YAML has lists; the config's fields are tuples
-            value = tuple(value)
-        updates[key] = value
-    return dataclasses.replace(config, **updates)
-
-
 if __name__ == "__main__":
-    run(lambda: main(parse_quietly(parse_config, sys.argv[1:])))
+    run(lambda: main(parse_quietly(parse_config, sys.argv[1:])), user_errors=(RewardError,))

@@ -3,13 +3,13 @@ and the output head applied a chunk of tokens at a time.
 
     batch = make_batch(prompt_ids, response_ids, pad_id, engine_logprobs, device)
     for rows in micro_batches(batch, size=64, max_tokens=0):        # or a token budget, balanced over ranks
-        logprobs = response_logprobs(model, select(batch, rows), temperature)   # [b, R], 0 on padding
+        logprobs = response_logprobs(model, batch.select(rows), temperature)   # [b, R], 0 on padding
 
 Design decisions:
 - The batch is right-padded [prompt | response | padding] ([B, T]); a micro-batch is packed into one row
   for the forward (padding-free): its sequences back to back, position ids restarting at 0 for each.
   The attention keeps each sequence to itself (flash-attn's varlen kernel on GPU, sdpa once per sequence
-  otherwise: attention.py), so a packed forward gives each sequence the log-probs it gets alone, and no compute
+  otherwise: plumbing/attention.py), so a packed forward gives each sequence the log-probs it gets alone, and no compute
   is spent on padding. Vision-language models get their 3-D M-RoPE
   positions computed per sequence and packed the same way, under a fourth row of 1-D text positions
   (transformers' packed format for Qwen-VL: row 0 tells the sequences apart).
@@ -29,63 +29,113 @@ Design decisions:
 
 import itertools
 import math
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_utils import all_reduce, reshard, to_device
+from fsdp_utils import reshard
 from lora import base_of
+from plumbing.collectives import all_reduce, to_device
+from plumbing.memory import CHUNK_TOKENS  # the output head's chunk, sized by the memory estimate
 from vision import PLACEHOLDER_BIAS, is_vision_language, placeholder_token_ids, vision_inputs
 
-CHUNK_TOKENS = 1024  # response tokens per output-head chunk: 1024 x 152k vocabulary x 4 bytes = 0.6 GB of logits
+SEQUENCE, RESPONSE, ROW = "sequence", "response", "row"  # what a batch field spans: [B, T], [B, R], one value a row
+
+
+def spans(what: str, dtype: torch.dtype = torch.float32):
+    """A Batch field spanning `what`: its rows are cut to that length when a row travels (Batch.row) and padded
+    again when rows become a batch (Batch.from_rows): token ids with the pad id, numbers with 0."""
+    return field(default=None, metadata={"spans": what, "dtype": dtype})
+
+
+@dataclass
+class Batch:
+    """The trainer's batch: right-padded [prompt | response | padding] rows and what the step computes per
+    response token. Every field is declared once, here; selecting rows, moving to a device and the exchange
+    between ranks (plumbing/balance.py) go over the fields, so a new one is one line.
+
+    Tensors live on the training device; lengths stay on the host (Python lists), so nothing waits on the GPU to
+    learn a shape. The response mask may have holes: tokens the model did not generate (a tool's output) are in
+    the response but masked out of every loss.
+    """
+
+    input_ids: torch.Tensor = spans(SEQUENCE, torch.long)  # [B, T]
+    responses: torch.Tensor = spans(RESPONSE, torch.long)  # [B, R]
+    response_mask: torch.Tensor = spans(RESPONSE)  # [B, R], 1 on the response tokens the losses count
+    prompt_lengths: list[int] = spans(ROW)
+    response_lengths: list[int] = spans(ROW)
+    rollout_logprobs: torch.Tensor | None = spans(RESPONSE)  # [B, R], the engine's log-prob of each sampled token
+    vision: list[dict | None] | None = spans(ROW)  # each row's image tensors (vision.expand_prompt), None for text
+    old_logprobs: torch.Tensor | None = spans(RESPONSE)  # [B, R], of the policy that sampled (the step sets them)
+    ref_logprobs: torch.Tensor | None = spans(RESPONSE)  # [B, R], of the reference
+    advantages: torch.Tensor | None = spans(RESPONSE)  # [B, R]
+
+    def __len__(self) -> int:
+        return len(self.prompt_lengths)
+
+    @property
+    def sequence_lengths(self) -> list[int]:
+        return [p + r for p, r in zip(self.prompt_lengths, self.response_lengths)]
+
+    def _map(self, fn) -> "Batch":
+        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else fn(v) for f in fields(self)})
+
+    def select(self, rows: slice | list[int]) -> "Batch":
+        """The rows of the batch (a slice, or a list of row indices), tensors and host lists alike."""
+        if isinstance(rows, slice):
+            return self._map(lambda v: v[rows])
+        index = torch.tensor(rows, device=self.input_ids.device)
+        return self._map(lambda v: v[index] if isinstance(v, torch.Tensor) else [v[i] for i in rows])
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return self._map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v)
+
+    def row(self, i: int) -> dict:
+        """Row i, each field cut to its length. The cuts are cloned: pickling a view (Batch rows travel between
+        ranks pickled) would send the whole tensor it views."""
+        width = {SEQUENCE: self.prompt_lengths[i] + self.response_lengths[i], RESPONSE: self.response_lengths[i]}
+        row = {}
+        for f in fields(self):
+            value, what = getattr(self, f.name), f.metadata["spans"]
+            row[f.name] = None if value is None else value[i] if what == ROW else value[i, : width[what]].clone()
+        return row
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], pad_id: int, device: torch.device | str = "cpu") -> "Batch":
+        """Rows (Batch.row's dicts: values cut to their lengths, as lists or tensors) padded into a batch, built on the
+        host and moved to `device` once. A field None in every row is None."""
+        width = {SEQUENCE: max(len(r["input_ids"]) for r in rows),
+                 RESPONSE: max(1, max(len(r["responses"]) for r in rows))}
+        values = {}
+        for f in fields(cls):
+            what, dtype = f.metadata["spans"], f.metadata["dtype"]
+            if all(r[f.name] is None for r in rows):
+                values[f.name] = None
+            elif what == ROW:
+                values[f.name] = [r[f.name] for r in rows]
+            else:
+                padded = torch.full((len(rows), width[what]), pad_id if dtype == torch.long else 0, dtype=dtype)
+                for b, r in enumerate(rows):
+                    padded[b, : len(r[f.name])] = torch.as_tensor(r[f.name], dtype=dtype)
+                values[f.name] = padded.to(device)
+        return cls(**values)
 
 
 def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
                rollout_logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu",
-               vision: list[dict | None] | None = None) -> dict:
-    """Right-padded [prompt | response] sequences plus the response layout used by every loss, on `device`.
+               vision: list[dict | None] | None = None) -> Batch:
+    """The batch of [prompt | response] sequences, every response token counted by the losses.
 
-    Built on the host and moved once. `rollout_logprobs` (the engine's log-prob of each sampled token)
-    rides along as `rollout_logprobs` [B, R], zero on padding. `vision`: each row's image tensors
-    (vision.expand_prompt; None for a text row), kept as a list and moved with each micro-batch. The
-    lengths stay on the host as lists (`prompt_lengths`, `response_lengths`).
+    `rollout_logprobs`: the engine's log-prob of each sampled token; `vision`: each row's image tensors
+    (vision.expand_prompt; None for a text row), moved with each micro-batch.
     """
-    B = len(prompt_ids)
-    T = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
-    R = max(1, max(len(r) for r in response_ids))
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)  # [B, T]
-    responses = torch.full((B, R), pad_id, dtype=torch.long)  # [B, R]
-    response_mask = torch.zeros(B, R)  # [B, R]
-    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        input_ids[b, : len(p) + len(r)] = torch.tensor(p + r)
-        responses[b, : len(r)] = torch.tensor(r)
-        response_mask[b, : len(r)] = 1
-    batch = {"input_ids": input_ids, "responses": responses, "response_mask": response_mask}
-    if rollout_logprobs is not None:
-        batch["rollout_logprobs"] = torch.zeros(B, R)  # [B, R]
-        for b, logprobs in enumerate(rollout_logprobs):
-            batch["rollout_logprobs"][b, : len(logprobs)] = torch.tensor(logprobs)
-    batch = {k: v.to(device) for k, v in batch.items()}
-    batch.update(prompt_lengths=[len(p) for p in prompt_ids], response_lengths=[len(r) for r in response_ids])
-    return {**batch, "vision": vision} if vision is not None else batch
-
-
-def select(batch: dict, rows: slice | list[int]) -> dict:
-    """The rows of a batch (a slice, or a list of row indices), tensors and host lists alike."""
-    if isinstance(rows, slice):
-        return {k: v[rows] for k, v in batch.items()}
-    picked = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            picked[key] = value[torch.tensor(rows, device=value.device)]
-        else:
-            picked[key] = [value[i] for i in rows]
-    return picked
-
-
-def sequence_lengths(batch: dict) -> list[int]:
-    return [p + r for p, r in zip(batch["prompt_lengths"], batch["response_lengths"])]
+    rows = [{"input_ids": p + r, "responses": r, "response_mask": [1] * len(r), "prompt_lengths": len(p),
+             "response_lengths": len(r), "rollout_logprobs": rollout_logprobs[b] if rollout_logprobs else None,
+             "vision": vision[b] if vision else None, "old_logprobs": None, "ref_logprobs": None, "advantages": None}
+            for b, (p, r) in enumerate(zip(prompt_ids, response_ids))]
+    return Batch.from_rows(rows, pad_id, device)
 
 
 # ---- micro-batches -----------------------------------------------------------------------------------
@@ -114,7 +164,7 @@ def budget_bins(lengths: list[int], max_tokens: int) -> list[list[int]]:
         count += 1
 
 
-def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[list[int]]:
+def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[list[int]]:
     """Row indices of each micro-batch of `batch`: `size` consecutive rows at a time, or (`max_tokens` > 0)
     the same number of micro-batches on every rank, each holding at most `max_tokens` tokens.
 
@@ -122,16 +172,16 @@ def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[list[int]
     rank that needs fewer splits its heaviest ones in two until it has as many. Every sequence must fit the
     budget on its own (grpo.check_config makes sure of it).
     """
-    rows = len(batch["prompt_lengths"])
+    rows = len(batch)
     if not max_tokens:
         return [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
-    lengths = sequence_lengths(batch)
+    lengths = batch.sequence_lengths
     bins = budget_bins(lengths, max_tokens)
-    device = batch["response_mask"].device
+    device = batch.response_mask.device
     count = int(all_reduce({"micro_batches": len(bins)}, device, dist.ReduceOp.MAX)["micro_batches"].item())
     if count > rows:
-        raise ValueError(f"a rank needs {count} micro-batches for {rows} sequences: every rank holds the same number of "
-                         "sequences, so one rank's sequences are longer than the budget allows")
+        raise ValueError(f"a rank needs {count} micro-batches for {rows} sequences: every rank holds the same number "
+                         "of sequences, so one rank's sequences are longer than the budget allows")
     while len(bins) < count:
         heaviest = max((b for b in bins if len(b) > 1), key=lambda b: sum(lengths[i] for i in b))
         bins.remove(heaviest)
@@ -142,23 +192,23 @@ def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[list[int]
 # ---- log-probs --------------------------------------------------------------------------------------
 
 
-def forward_inputs(model, batch: dict, padding_free: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def forward_inputs(model, batch: Batch, padding_free: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The model's forward arguments for a micro-batch; the index, into its flattened token positions, of the
     position that predicts each valid response token ([N], row by row); and each such token's place in the
-    [b, R] layout of `batch["responses"]` ([N]).
+    [b, R] layout of `batch.responses` ([N]).
 
     Packed: input_ids [1, S] with S the total length, position_ids [1, S] restarting at 0 for each sequence
     (vision-language: [4, 1, S], text positions over the 3-D M-RoPE ones), and the packing itself, told once for
     every layer: `cu_seq_lens_q/k` (int32) and `max_length_q/k` for flash-attn (transformers then skips inferring
     it from the position ids in each layer: three host syncs a layer), the lengths on the host for packed_sdpa
-    (attention.py). Padded: input_ids [b, T] cut to the micro-batch's longest sequence; a vision-language model
+    (plumbing/attention.py). Padded: input_ids [b, T] cut to the micro-batch's longest sequence; a vision-language model
     with images computes its own positions. Every index is built on the host and moved in one copy.
     Example, packed prompts [5, 6] and [7] with responses [8, 9] and [10]: input_ids [[5, 6, 8, 9, 7, 10]],
     position_ids [[0, 1, 2, 3, 0, 1]], cu_seq_lens [0, 4, 6], index [1, 2, 4], slots [0, 1, 2] (R = 2).
     """
-    prompts, responses, lengths = batch["prompt_lengths"], batch["response_lengths"], sequence_lengths(batch)
-    T, R, device = max(lengths), batch["responses"].shape[1], batch["input_ids"].device
-    padded = batch["input_ids"][:, :T]  # [b, T]
+    prompts, responses, lengths = batch.prompt_lengths, batch.response_lengths, batch.sequence_lengths
+    T, R, device = max(lengths), batch.responses.shape[1], batch.input_ids.device
+    padded = batch.input_ids[:, :T]  # [b, T]
     starts = [0, *itertools.accumulate(lengths)][:-1] if padding_free else [b * T for b in range(len(lengths))]
     host = {"index": [start + p - 1 + t for start, p, r in zip(starts, prompts, responses) for t in range(r)],
             "slots": [row * R + t for row, r in enumerate(responses) for t in range(r)]}
@@ -174,7 +224,7 @@ def forward_inputs(model, batch: dict, padding_free: bool) -> tuple[dict, torch.
     else:
         input_ids, packing = padded, {}
         positions = torch.arange(T, device=device).expand(len(lengths), T)  # [b, T]
-    images = vision_inputs(model, input_ids, batch.get("vision"))
+    images = vision_inputs(model, input_ids, batch.vision)
     if padding_free and is_vision_language(model.config):  # each sequence's 3-D M-RoPE positions, then packed
         valid = torch.arange(T) < torch.tensor(lengths)[:, None]  # [b, T]
         rope, _ = base_of(model).model.get_rope_index(padded, (padded == model.config.image_token_id).int(),
@@ -211,7 +261,7 @@ def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Te
     return torch.cat(pieces) if pieces else hidden.new_zeros(0)
 
 
-def response_logprobs(model, batch: dict, temperature: float, padding_free: bool = True) -> torch.Tensor:
+def response_logprobs(model, batch: Batch, temperature: float, padding_free: bool = True) -> torch.Tensor:
     """log pi(response token | everything before it), logits divided by the sampling temperature -> [b, R],
     0 on padding.
 
@@ -226,26 +276,26 @@ def response_logprobs(model, batch: dict, temperature: float, padding_free: bool
     finally:
         hook.remove()
     hidden = captured[0].flatten(0, 1)[index]  # [N, H]: the positions that predict the response tokens
-    b, R = batch["responses"].shape
-    values = head_logprobs(model.get_output_embeddings(), hidden, batch["responses"].flatten()[slots], temperature,
+    b, R = batch.responses.shape
+    values = head_logprobs(model.get_output_embeddings(), hidden, batch.responses.flatten()[slots], temperature,
                            placeholder_token_ids(model.config))  # [N]
     return values.new_zeros(b * R).index_copy(0, slots, values).view(b, R)  # [b, R], 0 on padding
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch: dict, temperature: float, micro_batch_size: int, max_tokens: int = 0,
+def batched_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int, max_tokens: int = 0,
                      padding_free: bool = True) -> torch.Tensor:
     """response_logprobs over micro-batches (micro_batches) -> [B, R]: the old and the reference log-probs.
 
     In eval mode: a checkpoint's dropout (or --lora.dropout) would otherwise draw different log-probs for the same
     tokens at every pass; the update's own forward keeps the model's dropout. No backward follows these passes, so
     the model's root FSDP unit is resharded after them (fsdp_utils.reshard)."""
-    out = torch.zeros(batch["response_mask"].shape, device=batch["response_mask"].device)  # [B, R]
+    out = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)  # [B, R]
     was_training = model.training
     model.eval()
     try:
         for rows in micro_batches(batch, micro_batch_size, max_tokens):
-            out[torch.tensor(rows, device=out.device)] = response_logprobs(model, select(batch, rows), temperature,
+            out[torch.tensor(rows, device=out.device)] = response_logprobs(model, batch.select(rows), temperature,
                                                                            padding_free)
     finally:
         model.train(was_training)

@@ -17,7 +17,7 @@ Design decisions:
   no LoRA support (its LoRA path would also need the adapter saved and reloaded at every step). The engine's
   log-probs then follow the adapted model as closely as they follow a full-parameter one (tested).
 - The same merged weights, under the base model's own names, are what `fsdp_utils.save_hf_model` writes:
-  the trained folder is a plain Hugging Face model (merge.py does the same from a checkpoint).
+  the trained folder is a plain Hugging Face model (scripts/merge.py does the same from a checkpoint).
 """
 
 from collections.abc import Iterator

@@ -46,7 +46,8 @@ class RewardConfig:
     kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Keyword arguments passed to the reward function, e.g. `--reward.kwargs format_weight 0.2`."""
     batch: bool = False
-    """True: fn(list[RewardInput], **kwargs) -> list[dict]; False: fn(RewardInput, **kwargs) -> dict, called per sample."""
+    """True: fn(list[RewardInput], **kwargs) -> list[dict];
+    False: fn(RewardInput, **kwargs) -> dict, called per sample."""
     overlong_buffer: int = 0
     """DAPO overlong shaping: responses longer than max_response_length - this many tokens are penalised (0: off)."""
     overlong_penalty_factor: float = 1.0
@@ -54,7 +55,8 @@ class RewardConfig:
     timeout: float = 120.0
     """Seconds one call may run (a sample's, or the whole batch's with --reward.batch); 0: no limit."""
     on_error: Literal["raise", "zero"] = "raise"
-    """A call that times out, raises or returns a bad result: end the run naming the sample (raise), or score it 0, counted in reward_failed (zero)."""
+    """A call that times out, raises or returns a bad result: end the run naming the sample (raise),
+    or score it 0, counted in reward_failed (zero)."""
 
 
 class RewardInput(TypedDict):

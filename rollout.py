@@ -70,7 +70,8 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     """vLLM: ranks that share one engine (tensor parallelism); must divide the world size."""
     gpu_memory_utilization: float = 0.5
-    """vLLM on GPU: fraction of device memory for its weights and KV cache while it generates (it sleeps while the trainer trains)."""
+    """vLLM on GPU: fraction of device memory for its weights and KV cache while it generates
+    (it sleeps while the trainer trains)."""
     cpu_kv_cache_gib: float = 1.0
     """vLLM on CPU: GiB of RAM reserved for the KV cache of each engine."""
     dtype: str = "auto"
@@ -96,6 +97,21 @@ def build_rollout(cfg: RolloutConfig, model_path: str, max_model_len: int, devic
     if cfg.engine == "hf":
         return HFRollout(cfg, model, model_path, device)
     return VLLMRollout(cfg, model_path, max_model_len, device)
+
+
+def start_engine(cfg: RolloutConfig, model_path: str, max_model_len: int, actor, state, resumed_step: int | None):
+    """The engine, started with the training state (fsdp_utils.TrainingState) in host memory when it is offloaded
+    while generating; a resumed run's engine then gets the resumed weights: it sleeps (GPU) before the state comes
+    back to the device for the stream, which moves the state out again before the engine's KV cache wakes. The
+    loop keeps that order: after generating, `sleep()` then `state.to_device()`; after the update,
+    `sync_weights(actor, step, on_loaded=state.to_host)`."""
+    state.to_host()
+    rollout = build_rollout(cfg, model_path, max_model_len, state.device, actor)
+    if resumed_step is not None:
+        rollout.sleep()
+        state.to_device()
+        rollout.sync_weights(actor, version=resumed_step, on_loaded=state.to_host)
+    return rollout
 
 
 def check_version(engine, version: int) -> None:
@@ -132,7 +148,8 @@ class SeedStream:
         if version != self.version:
             self.version, self.calls = version, {}
         self.calls[purpose] = self.calls.get(purpose, -1) + 1
-        return random.Random(f"{self.seed}/{self.engine_index}/{version}/{purpose}/{self.calls[purpose]}").randrange(2**62)
+        key = f"{self.seed}/{self.engine_index}/{version}/{purpose}/{self.calls[purpose]}"
+        return random.Random(key).randrange(2**62)
 
 
 @contextmanager
@@ -187,7 +204,8 @@ class VLLMRollout:
         from vllm import LLM
 
         self.cfg = cfg
-        show_progress = logging.getLogger("vllm").isEnabledFor(logging.INFO)  # console.py sets vLLM's log level
+        # plumbing/console.py sets vLLM's log level
+        show_progress = logging.getLogger("vllm").isEnabledFor(logging.INFO)
         self.on_gpu = device.type == "cuda"
         self.dtype = {"auto": torch.bfloat16 if self.on_gpu else torch.float32,
                       "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.dtype]
@@ -370,11 +388,12 @@ class HFRollout:
             input_ids[i, P - len(p["prompt_ids"]):] = torch.tensor(p["prompt_ids"])
             attention_mask[i, P - len(p["prompt_ids"]):] = 1
         recorder = _SampledLogprobs(temperature, top_p, self.cfg.top_k, placeholder_token_ids(self.model.config))
-        config = GenerationConfig(do_sample=not greedy, num_return_sequences=n, max_new_tokens=self.cfg.max_response_length,
-                                  temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
-                                  eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
+        config = GenerationConfig(do_sample=not greedy, num_return_sequences=n,
+                                  max_new_tokens=self.cfg.max_response_length, temperature=1.0, top_k=0, top_p=1.0,
+                                  repetition_penalty=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
         was_training = self.model.training
-        with gathered(self.model), sampling_rng(self.seeds.next(version, call_purpose(validation, greedy)), self.device):
+        seed = self.seeds.next(version, call_purpose(validation, greedy))
+        with gathered(self.model), sampling_rng(seed, self.device):
             self.model.eval()
             try:
                 sequences = self.model.generate(input_ids=input_ids.to(self.device), generation_config=config,
@@ -405,7 +424,8 @@ class _SampledLogprobs:
         from transformers import TopKLogitsWarper, TopPLogitsWarper
 
         self.temperature, self.placeholders = temperature, placeholders
-        self.warpers = ([TopKLogitsWarper(top_k)] if top_k > 0 else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+        self.warpers = (([TopKLogitsWarper(top_k)] if top_k > 0 else []) +
+                        ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
         self.previous, self.logprobs = None, []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ else
   # Audio is out of scope here; without them transformers and vLLM fall back cleanly.
   .venv/bin/pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
   # Every Python process of the venv (torchrun children, vLLM's helper subprocesses) needs the torchvision
-  # fix before torchvision is imported: a .pth line runs at interpreter start-up (see cpu_stack.py).
+  # fix before torchvision is imported: a .pth line runs at interpreter start-up (see plumbing/cpu_stack.py).
   site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  printf '%s\nimport cpu_stack; cpu_stack.install()\n' "$PWD" > "$site/grpo_cpu_stack.pth"
+  printf '%s\nimport plumbing.cpu_stack; plumbing.cpu_stack.install()\n' "$PWD" > "$site/grpo_cpu_stack.pth"
 fi
 echo "setup.sh: $stack stack ready in .venv"

@@ -16,7 +16,7 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   realistic spread of response lengths, against a bare FSDP2 forward/backward/AdamW loop on the same packed
   micro-batches, and against itself on padded micro-batches; tokens/s;
 - balance: the update on 2 ranks holding different numbers of tokens, as they are and balanced over the
-  ranks (balance.py), seconds per update;
+  ranks (plumbing/balance.py), seconds per update;
 - logits: peak memory of the log-probs' forward and backward with a 152k vocabulary, the full-logits
   computation of before against the chunked head (each in a fresh process).
 """
@@ -99,7 +99,8 @@ def part_bare(args) -> dict:
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = LLM(model=args.model, max_model_len=args.max_tokens + 64, **engine_kwargs(torch.cuda.is_available()))
-    params = SamplingParams(n=args.group_size, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens, logprobs=0)
+    params = SamplingParams(n=args.group_size, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens,
+                            logprobs=0)
     requests = [{"prompt_token_ids": p} for p in prompts(args.prompts)]
     tokens_per_s = timed_generations(
         lambda: sum(len(o.token_ids) for r in llm.generate(requests, params, use_tqdm=False) for o in r.outputs), args)
@@ -143,25 +144,26 @@ def part_update(args) -> dict:
 
     from fsdp_utils import init_distributed, load_sharded_model
     from grpo import Config, update_policy
-    from logprobs import forward_inputs, micro_batches, select
+    from logprobs import forward_inputs, micro_batches
 
     _, _, device = init_distributed()
     model = load_sharded_model(args.model, device, trainable=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in spread_batch(args, 100).items()}
-    tokens = sum(batch["prompt_lengths"]) + sum(batch["response_lengths"])
-    advantages = torch.randn(batch["response_mask"].shape, device=device) * batch["response_mask"]
+    tokens = sum(batch.prompt_lengths) + sum(batch.response_lengths)
+    advantages = torch.randn(batch.response_mask.shape, device=device) * batch.response_mask
     cfg = Config()
-    cfg.algorithm.use_kl_loss, cfg.rollout.n, cfg.trainer.global_batch_size, cfg.trainer.rollout_batch_size = False, args.rows, 1, 1
+    cfg.algorithm.use_kl_loss, cfg.rollout.n = False, args.rows
+    cfg.trainer.global_batch_size, cfg.trainer.rollout_batch_size = 1, 1
     cfg.actor.max_tokens_per_micro_batch = args.tokens_per_micro_batch
     plan = micro_batches(batch, 1, args.tokens_per_micro_batch)
 
     def bare():
         for rows in plan:
-            micro = select(batch, rows)
+            micro = batch.select(rows)
             inputs, index, _ = forward_inputs(model, micro, padding_free=True)
             logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[index].float()  # [N, V]
-            targets = micro["responses"][micro["response_mask"].bool()]
+            targets = micro.responses[micro.response_mask.bool()]
             (-torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum() / tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -182,16 +184,17 @@ def part_balance(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from balance import balance_over_ranks
     from fsdp_utils import init_distributed, load_sharded_model
     from grpo import Config, update_policy
     from logprobs import sequence_lengths
+    from plumbing.balance import balance_over_ranks
 
     rank, world, device = init_distributed()
     model = load_sharded_model(args.model, device, trainable=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in spread_batch(args, 100, seed=rank).items()}
-    advantages = torch.randn(batch["response_mask"].shape, device=device) * batch["response_mask"]
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+             for k, v in spread_batch(args, 100, seed=rank).items()}
+    advantages = torch.randn(batch.response_mask.shape, device=device) * batch.response_mask
     cfg = Config()
     cfg.algorithm.use_kl_loss, cfg.rollout.n, cfg.trainer.global_batch_size = False, args.rows, world  # one mini-batch
     cfg.actor.max_tokens_per_micro_batch = args.tokens_per_micro_batch
@@ -203,7 +206,7 @@ def part_balance(args) -> dict:
 
     as_is, dealt = timed(lambda: update(False), args.repeats), timed(lambda: update(True), args.repeats)
     tokens = [None] * world
-    dist.all_gather_object(tokens, [sum(sequence_lengths(batch)),
+    dist.all_gather_object(tokens, [sum(batch.sequence_lengths),
                                     sum(sequence_lengths(balance_over_ranks(batch, [advantages], args.rows, 0)[0]))])
     return {"tokens_per_rank": tokens, "as_is_s": as_is, "balanced_s": dealt}
 
@@ -222,24 +225,27 @@ def part_logits(args) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(args.model).to(device)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in spread_batch(args, 100).items()}
-    before = torch.cuda.memory_allocated() if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = (torch.cuda.memory_allocated() if device.type == "cuda"
+              else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if args.full:
         inputs, index, _ = forward_inputs(model, batch, padding_free=True)
         logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[index].float()  # [N, V]
-        targets = batch["responses"][batch["response_mask"].bool()]
+        targets = batch.responses[batch.response_mask.bool()]
         torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum().backward()
     else:
         response_logprobs(model, batch, 1.0).sum().backward()
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"peak_gib": (peak - before) / 2**30}
 
 
 def run_part(part: str, args, torchrun: bool, nproc: int = 1) -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "29533"] \
-        if torchrun else [sys.executable]
-    cmd = launcher + [__file__, "--part", part, "--out", str(out), "--model", args.model, "--prompts", str(args.prompts),
-                      "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", "29533"] if torchrun else [sys.executable]
+    cmd = launcher + [__file__, "--part", part, "--out", str(out), "--model", args.model,
+                      "--prompts", str(args.prompts), "--group-size", str(args.group_size),
+                      "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
                       "--rows", str(args.rows), "--min-response", str(args.min_response), "--max-response",
                       str(args.max_response), "--tokens-per-micro-batch", str(args.tokens_per_micro_batch)]
     cmd += ["--full"] if args.full else []
@@ -249,8 +255,9 @@ def run_part(part: str, args, torchrun: bool, nproc: int = 1) -> dict:
 
 def step_breakdown(args, engine: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534",
-                        "grpo.py", "--rollout.engine", engine, "--trainer.total-steps", str(args.steps), "--trainer.output-dir", tmp,
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", "29534", "grpo.py", "--rollout.engine", engine,
+                        "--trainer.total-steps", str(args.steps), "--trainer.output-dir", tmp,
                         "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final"],
                        check=True, cwd=ROOT, capture_output=not args.verbose)
         lines = [json.loads(line) for line in (Path(tmp) / "tiny-qwen2_toy" / "metrics.jsonl").read_text().splitlines()]
@@ -261,7 +268,7 @@ def step_breakdown(args, engine: str) -> dict:
 
 def rollout_tables(args) -> None:
     if not args.model:
-        from tiny import build_tiny_model
+        from plumbing.tiny import build_tiny_model
 
         args.model = str(build_tiny_model("qwen2", Path(tempfile.mkdtemp()) / "tiny-qwen2"))
     result = {**run_part("bare", args, torchrun=False), **run_part("rollout", args, torchrun=True),
@@ -274,14 +281,15 @@ def rollout_tables(args) -> None:
     print(f"| ratio (target >= 0.9) | {result['rollout_tokens_per_s'] / result['bare_tokens_per_s']:.2f}x |")
     print(f"| weight sync (FSDP2 -> vLLM) | {result['sync_s']:.3f} s |")
     print(f"| HF engine generation (`--rollout.engine hf`) | {result['hf_tokens_per_s']:,.0f} tokens/s |")
-    print(f"\nDefault job, mean over steps 2-{args.steps} (`torchrun --nproc_per_node 2 grpo.py --rollout.engine E`):\n")
+    print(f"\nDefault job, mean over steps 2-{args.steps} "
+          f"(`torchrun --nproc_per_node 2 grpo.py --rollout.engine E`):\n")
     print("| phase | vllm | hf |\n|---|---|---|")
     for key in steps["vllm"]:
         print(f"| {key} | {steps['vllm'][key]:.3f} | {steps['hf'][key]:.3f} |")
 
 
 def trainer_tables(args) -> None:
-    from tiny import build_tiny_model
+    from plumbing.tiny import build_tiny_model
 
     folder = Path(tempfile.mkdtemp())
     model = args.model or str(build_tiny_model("qwen2", folder / "tiny", max_position_embeddings=4096))
@@ -307,9 +315,10 @@ def trainer_tables(args) -> None:
     memory = argparse.Namespace(**{**vars(args), "model": wide, "rows": 4, "min_response": 1024, "max_response": 1024})
     full = run_part("logits", argparse.Namespace(**{**vars(memory), "full": True}), torchrun=False)["peak_gib"]
     chunked = run_part("logits", argparse.Namespace(**{**vars(memory), "full": False}), torchrun=False)["peak_gib"]
-    print(f"\nPeak memory of the log-probs' forward and backward, 4 x 1,024 response tokens, a 152,064-token vocabulary "
-          f"(tiny model otherwise):\n\n| logits | peak GiB |\n|---|---|\n| full [tokens, vocabulary] fp32 (before) | "
-          f"{full:.2f} |\n| chunked head, 1,024 tokens a chunk (now) | {chunked:.2f} |")
+    print(f"\nPeak memory of the log-probs' forward and backward, 4 x 1,024 response tokens, "
+          f"a 152,064-token vocabulary (tiny model otherwise):\n\n| logits | peak GiB |\n|---|---|\n"
+          f"| full [tokens, vocabulary] fp32 (before) | {full:.2f} |\n"
+          f"| chunked head, 1,024 tokens a chunk (now) | {chunked:.2f} |")
 
 
 def main():

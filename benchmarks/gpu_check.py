@@ -50,11 +50,11 @@ SHAPES = {  # Qwen2.5 shapes with random weights; "toy" stands in for both on th
 
 
 def random_model(shape: str, path: Path, device: str) -> Path:
-    """A Qwen2-architecture model of `shape` with random weights (bf16 on GPU) and tiny.py's tokenizer."""
+    """A Qwen2-architecture model of `shape` with random weights (bf16 on GPU) and plumbing/tiny.py's tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tiny import build_tokenizer
+    from plumbing.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=4096,
@@ -80,8 +80,9 @@ def part_logprobs(args) -> dict:
     """Sample with the HF engine, recompute the log-probs with the trainer, compare on every sampled token."""
     import torch
 
-    from fsdp_utils import init_distributed, load_sharded_model, to_floats
+    from fsdp_utils import init_distributed, load_sharded_model
     from logprobs import batched_logprobs, make_batch
+    from plumbing.collectives import to_floats
     from rollout import HFRollout, RolloutConfig
 
     _, _, device = init_distributed()
@@ -94,9 +95,10 @@ def part_logprobs(args) -> dict:
     batch = make_batch([p["prompt_ids"] for p in prompts for _ in range(4)], [r.token_ids for r in responses],
                        engine.pad_id, [r.logprobs for r in responses], device)
     trainer = batched_logprobs(actor, batch, temperature=1.0, micro_batch_size=16)
-    mask = batch["response_mask"]
-    gap = (trainer - batch["rollout_logprobs"]).abs() * mask
-    return {**to_floats({"logprob_gap_mean": gap.sum() / mask.sum(), "logprob_gap_max": gap.max(), "tokens": mask.sum()}),
+    mask = batch.response_mask
+    gap = (trainer - batch.rollout_logprobs).abs() * mask
+    return {**to_floats({"logprob_gap_mean": gap.sum() / mask.sum(), "logprob_gap_max": gap.max(),
+                         "tokens": mask.sum()}),
             "compute_dtype": "bfloat16" if device.type == "cuda" else "float32"}
 
 
@@ -107,8 +109,8 @@ def part_update(args) -> dict:
     from fsdp_utils import init_distributed, load_sharded_model
     from grpo import Config, update_policy
     from logprobs import batched_logprobs, make_batch
-    from memory import count_parameters
-    from metrics import peak_memory
+    from plumbing.memory import count_parameters
+    from plumbing.metrics import peak_memory
 
     _, _, device = init_distributed()
     actor = load_sharded_model(args.model, device, trainable=True)
@@ -122,7 +124,7 @@ def part_update(args) -> dict:
     batch = make_batch(random_ids(generator, prompts * n, prompt_len, vocab),
                        random_ids(generator, prompts * n, response_len, vocab), 0, device=device)
     old = batched_logprobs(actor, batch, 1.0, cfg.actor.micro_batch_size)
-    advantages = torch.randn(prompts * n, 1, generator=generator).to(device) * batch["response_mask"]
+    advantages = torch.randn(prompts * n, 1, generator=generator).to(device) * batch.response_mask
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6)
     update_policy(actor, optimizer, batch, old, None, advantages, cfg)  # warm-up: AdamW's states, kernel choices
     if device.type == "cuda":
@@ -133,7 +135,7 @@ def part_update(args) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    c, tokens = actor.config, batch["input_ids"].numel()
+    c, tokens = actor.config, batch.input_ids.numel()
     matmul_parameters = count_parameters(c) - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
     flops = tokens * (6 * matmul_parameters + 12 * c.num_hidden_layers * c.hidden_size * (prompt_len + response_len))
     return {"parameters": count_parameters(c), "tokens": tokens, "update_s": seconds, "tokens_per_s": tokens / seconds,
@@ -142,13 +144,14 @@ def part_update(args) -> dict:
 
 
 def part_paths(args) -> dict:
-    """The training paths of logprobs.py, attention.py and the two offloads on the device (module docstring)."""
+    """The training paths of logprobs.py, plumbing/attention.py and the two offloads on the device (module
+    docstring)."""
     import torch
 
-    from attention import attention_implementation
     from fsdp_utils import init_distributed, load_sharded_model, move_training_state, stream_full_weights
     from grpo import Config, update_policy
     from logprobs import batched_logprobs, make_batch, response_logprobs
+    from plumbing.attention import attention_implementation
 
     _, _, device = init_distributed(cpu_offload=True)  # NCCL for the device, gloo for FSDP2 CPU offload's host tensors
     allocated = (lambda: torch.cuda.memory_allocated() / 2**30) if device.type == "cuda" else (lambda: 0.0)
@@ -156,8 +159,8 @@ def part_paths(args) -> dict:
     lengths = torch.randint(8, 64 if args.cpu else 1024, (16,), generator=generator).tolist()
     actor = load_sharded_model(args.model, device, trainable=True)
     vocab = actor.config.vocab_size
-    batch = make_batch(random_ids(generator, 16, 32, vocab), [random_ids(generator, 1, n, vocab)[0] for n in lengths], 0,
-                       device=device)
+    batch = make_batch(random_ids(generator, 16, 32, vocab), [random_ids(generator, 1, n, vocab)[0] for n in lengths],
+                       0, device=device)
     packed, padded = (batched_logprobs(actor, batch, 1.0, 8, padding_free=free) for free in (True, False))
     reference = load_sharded_model(args.model, device, trainable=False, dtype=torch.bfloat16 if device.type == "cuda"
                                    else torch.float32)
@@ -171,7 +174,7 @@ def part_paths(args) -> dict:
     cfg = Config()
     cfg.rollout.n, cfg.trainer.rollout_batch_size, cfg.trainer.global_batch_size = 16, 1, 1
     cfg.actor.micro_batch_size, cfg.algorithm.use_kl_loss = 8, False
-    advantages = torch.randn(16, 1, generator=generator).to(device) * batch["response_mask"]
+    advantages = torch.randn(16, 1, generator=generator).to(device) * batch.response_mask
     weights, freed, streamed = {}, 0.0, 0
     for run in ("plain", "plain again", "offload while generating", "fsdp cpu offload"):
         torch.manual_seed(0)
@@ -191,9 +194,10 @@ def part_paths(args) -> dict:
     def difference(run: str) -> float:
         return max((a.to(device) - b.to(device)).abs().max().item() for a, b in zip(weights["plain"], weights[run]))
 
-    mask = batch["response_mask"].bool()
-    return {"attention": attention_implementation(device), "packed_vs_padded_max": (packed - padded)[mask].abs().max().item(),
-            "tokens": int(mask.sum()), "reference_root_left_gathered_gib": root_left_gathered,
+    mask = batch.response_mask.bool()
+    return {"attention": attention_implementation(device),
+            "packed_vs_padded_max": (packed - padded)[mask].abs().max().item(), "tokens": int(mask.sum()),
+            "reference_root_left_gathered_gib": root_left_gathered,
             "reference_after_reshard_gib": after_reshard, "nondeterminism_max": difference("plain again"),
             "offload_weight_diff_max": difference("offload while generating"), "offload_freed_gib": freed,
             "fsdp_cpu_offload_weight_diff_max": difference("fsdp cpu offload"), "fsdp_cpu_offload_streamed": streamed}
@@ -211,8 +215,8 @@ def torchrun(args_list: list[str], timeout: int) -> str:
 
 
 def part_devices(args) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_devices.py", "-q"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_devices.py", "-q"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
     if proc.returncode:
         raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-2000:])
@@ -226,7 +230,8 @@ def part_job(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         torchrun(["grpo.py", "--rollout.engine", "hf", "--trainer.total-steps", str(steps), "--trainer.output-dir", tmp,
                   "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final", *small], 1200)
-        metrics = [json.loads(line) for line in (Path(tmp) / "tiny-qwen2_toy" / "metrics.jsonl").read_text().splitlines()]
+        lines = (Path(tmp) / "tiny-qwen2_toy" / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line) for line in lines]
     return {"steps": len(metrics), "reward_first": metrics[0]["train/reward_overall"],
             "reward_last": metrics[-1]["train/reward_overall"],
             "engine_gap_max": max(m["rollout/logprob_diff_max"] for m in metrics),
@@ -236,8 +241,8 @@ def part_job(args) -> dict:
 
 def in_torchrun(part: str, args, model: Path) -> dict:
     out = Path(tempfile.mkdtemp()) / f"{part}.json"
-    torchrun([__file__, "--part", part, "--model", str(model), "--result", str(out), "--peak-tflops", str(args.peak_tflops),
-              *(["--cpu"] if args.cpu else [])], 1200)
+    torchrun([__file__, "--part", part, "--model", str(model), "--result", str(out),
+              "--peak-tflops", str(args.peak_tflops), *(["--cpu"] if args.cpu else [])], 1200)
     return json.loads(out.read_text())
 
 
@@ -262,10 +267,13 @@ def main():
         raise SystemExit("no GPU visible: run with --cpu to exercise the script on the CPU")
     models = Path(tempfile.mkdtemp())
     parts = {**({} if args.cpu else {"devices": lambda: part_devices(args)}),  # the CPU suite runs test_devices itself
-             "logprobs": lambda: in_torchrun("logprobs", args, random_model("toy" if args.cpu else "0.5b", models / "a", device)),
+             "logprobs": lambda: in_torchrun("logprobs", args,
+                                             random_model("toy" if args.cpu else "0.5b", models / "a", device)),
              "job": lambda: part_job(args),
-             "update": lambda: in_torchrun("update", args, random_model("toy" if args.cpu else "1.5b", models / "b", device)),
-             "paths": lambda: in_torchrun("paths", args, random_model("toy" if args.cpu else "0.5b", models / "c", device))}
+             "update": lambda: in_torchrun("update", args,
+                                           random_model("toy" if args.cpu else "1.5b", models / "b", device)),
+             "paths": lambda: in_torchrun("paths", args,
+                                          random_model("toy" if args.cpu else "0.5b", models / "c", device))}
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
     for name, run in parts.items():
         start = time.perf_counter()

@@ -26,7 +26,7 @@ PROMPTS, N, MAX_TOKENS, KL, LR, STEPS = 16, 8, 64, 0.04, 1e-6, 10
 
 def build_model(folder: Path, tiny: bool) -> str:
     sys.path.insert(0, str(ROOT))
-    from tiny import build_tiny_model
+    from plumbing.tiny import build_tiny_model
 
     sizes = {} if tiny else dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=10, num_attention_heads=8,
                                  num_key_value_heads=2)
@@ -36,12 +36,13 @@ def build_model(folder: Path, tiny: bool) -> str:
 def ours(model: str, folder: Path) -> list[float]:
     """grpo.py's step times (timing/step of metrics.jsonl, one line per step)."""
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "grpo.py",
-                    "--actor.model-path", model, "--trainer.output-dir", str(folder), "--trainer.experiment-name", "ours",
+                    "--actor.model-path", model, "--trainer.output-dir", str(folder),
+                    "--trainer.experiment-name", "ours",
                     "--trainer.total-steps", str(STEPS), "--trainer.rollout-batch-size", str(PROMPTS),
                     "--trainer.global-batch-size", str(PROMPTS), "--rollout.n", str(N), "--rollout.max-response-length",
                     str(MAX_TOKENS), "--algorithm.kl-coef", str(KL), "--actor.lr", str(LR), "--actor.micro-batch-size",
-                    str(PROMPTS * N), "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.save-freq", "0",
-                    "--trainer.no-save-final"], check=True, cwd=ROOT, capture_output=True)
+                    str(PROMPTS * N), "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+                    "--trainer.save-freq", "0", "--trainer.no-save-final"], check=True, cwd=ROOT, capture_output=True)
     lines = [json.loads(line) for line in (folder / "ours" / "metrics.jsonl").read_text().splitlines()]
     return [m["timing/step"] for m in lines]
 
@@ -60,7 +61,8 @@ def trl_side(model: str, out: str) -> None:
                                  for row in toy_rows("train")])
 
     def reward(completions, answer, **kwargs):
-        return [toy_reward({"response": c[0]["content"], "ground_truth": a})["overall"] for c, a in zip(completions, answer)]
+        return [toy_reward({"response": c[0]["content"], "ground_truth": a})["overall"]
+                for c, a in zip(completions, answer)]
 
     ends = [time.perf_counter()]
 
@@ -96,7 +98,8 @@ def main():
                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True)
     trl_steps = json.loads(out.read_text())
     mean = {name: sum(times[1:]) / len(times[1:]) for name, times in (("ours", ours_steps), ("trl", trl_steps))}
-    print(f"model {model}: {PROMPTS} prompts x {N} samples x <= {MAX_TOKENS} tokens, KL {KL}, {STEPS} steps, one process\n")
+    print(f"model {model}: {PROMPTS} prompts x {N} samples x <= {MAX_TOKENS} tokens, KL {KL}, {STEPS} steps, "
+          f"one process\n")
     print("| trainer | mean step time, steps 2-10 |\n|---|---|")
     print(f"| grpo.py (vLLM) | {mean['ours']:.2f} s |\n| TRL GRPOTrainer | {mean['trl']:.2f} s |")
     print(f"| ratio (target <= 0.6) | {mean['ours'] / mean['trl']:.2f}x |")

@@ -2,7 +2,7 @@
 
 Each of 2 ranks holds half a mini-batch and runs it as 2 micro-batches through grpo.backward_mini_batch
 (the training code path, FSDP2), then again as micro-batches formed by a token budget, then after the ranks
-exchanged sequences to hold about the same number of tokens (balance.py); rank 0 also computes
+exchanged sequences to hold about the same number of tokens (plumbing/balance.py); rank 0 also computes
 the whole mini-batch at once with a plain HF model. The gradients must match: the per-micro-batch
 normalisation by global counts is exact. REINFORCE++'s global whitening is checked the same way.
 """
@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from balance import balance_over_ranks
-from fsdp_utils import init_distributed, load_sharded_model, sum_over_ranks
+from fsdp_utils import init_distributed, load_sharded_model
 from grpo import POLICY_LOSSES, AdvantageInputs, Config, aggregate, backward_mini_batch, reinforce_pp_advantages
-from logprobs import batched_logprobs, budget_bins, make_batch, response_logprobs, select, sequence_lengths
-from tiny import build_tiny_model
+from logprobs import batched_logprobs, budget_bins, make_batch, response_logprobs
+from plumbing.balance import balance_over_ranks
+from plumbing.collectives import sum_over_ranks
+from plumbing.tiny import build_tiny_model
 
 
 def main(loss_agg_mode: str, loss_type: str, out: str):
@@ -34,40 +35,42 @@ def main(loss_agg_mode: str, loss_type: str, out: str):
     cfg.rollout.temperature = 0.8
 
     g = torch.Generator().manual_seed(0)  # the same batch on every rank
-    prompts = [torch.randint(10, 100, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
+    prompts = [torch.randint(10, 100, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(8)]
     responses = [torch.randint(10, 100, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist() + [2]
                  for _ in range(8)]
     batch = make_batch(prompts, responses, pad_id=0)
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     advantages = torch.randn(8, 1, generator=g) * mask
     shift = 0.3 * torch.randn(mask.shape, generator=g)  # old log-probs off by a bit: some tokens clip
 
     actor = load_sharded_model(path, device, trainable=True)
     longest_first = sorted(range(8), key=lambda i: -len(prompts[i]) - len(responses[i]))
     mine = longest_first[rank * 4: rank * 4 + 4]  # rank 0 holds the long sequences, rank 1 the short ones
-    old_mine = batched_logprobs(actor, select(batch, mine), cfg.rollout.temperature, 4) + shift[mine]
-    backward_mini_batch(actor, select(batch, mine), old_mine, None, advantages[mine], cfg)
+    batch.advantages = advantages
+    batch.old_logprobs = batched_logprobs(actor, batch, cfg.rollout.temperature, 4) + shift
+    backward_mini_batch(actor, batch.select(mine), cfg)
     distributed = {name: p.grad.full_tensor() for name, p in actor.named_parameters()}
 
     # micro-batches by a token budget that just holds the longest sequence: the ranks need different numbers of
     # them on their own and agree on the larger one; the gradient is the same
     actor.zero_grad(set_to_none=True)
     cfg.actor.max_tokens_per_micro_batch = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    own_count = torch.tensor([len(budget_bins(sequence_lengths(select(batch, mine)), cfg.actor.max_tokens_per_micro_batch))])
+    own_bins = budget_bins(batch.select(mine).sequence_lengths, cfg.actor.max_tokens_per_micro_batch)
+    own_count = torch.tensor([len(own_bins)])
     counts = [torch.zeros_like(own_count) for _ in range(world)]
     dist.all_gather(counts, own_count)
-    backward_mini_batch(actor, select(batch, mine), old_mine, None, advantages[mine], cfg)
+    backward_mini_batch(actor, batch.select(mine), cfg)
     budget = {name: p.grad.full_tensor() for name, p in actor.named_parameters()}
 
-    # the same rows dealt out over the ranks by tokens (balance.py): the gradient is the same
+    # the same rows dealt out over the ranks by tokens (plumbing/balance.py): the gradient is the same
     actor.zero_grad(set_to_none=True)
     cfg.actor.max_tokens_per_micro_batch = 0
-    tokens_before = sum(sequence_lengths(select(batch, mine)))
-    balanced, (old_balanced, advantages_balanced) = balance_over_ranks(select(batch, mine), [old_mine, advantages[mine]],
-                                                                       mini_batch=4, pad_id=0)
+    tokens_before = sum(batch.select(mine).sequence_lengths)
+    balanced = balance_over_ranks(batch.select(mine), mini_batch=4, pad_id=0)
     tokens = [None] * world
-    dist.all_gather_object(tokens, (tokens_before, sum(sequence_lengths(balanced))))
-    backward_mini_batch(actor, balanced, old_balanced, None, advantages_balanced, cfg)
+    dist.all_gather_object(tokens, (tokens_before, sum(balanced.sequence_lengths)))
+    backward_mini_batch(actor, balanced, cfg)
     balance = {name: p.grad.full_tensor() for name, p in actor.named_parameters()}
 
     # REINFORCE++: whitening over both ranks' tokens equals whitening of the whole batch in one place

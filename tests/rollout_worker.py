@@ -1,9 +1,9 @@
 """Run under torchrun by test_rollout.py: generate, perturb the FSDP weights, sync, compare log-probs.
 
 argv: ENGINE (vllm | hf) ARCHITECTURE OUT. A vision-language ARCHITECTURE also generates for prompts with an
-image, before and after the sync (the engine's encoder cache must not serve the old weights' embeddings). With the hf engine the two ranks get different response length
-limits (rank 0: 3 tokens, rank 1: 12), so they run different numbers of decoding steps: a collective
-inside generation would hang here.
+image, before and after the sync (the engine's encoder cache must not serve the old weights' embeddings). With the
+hf engine the two ranks get different response length limits (rank 0: 3 tokens, rank 1: 12), so they run different
+numbers of decoding steps: a collective inside generation would hang here.
 """
 
 import json
@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 
 from fsdp_utils import init_distributed, load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
+from plumbing.tiny import VISION_ARCHITECTURES, build_tiny_model
 from rollout import RolloutConfig, build_rollout, vllm_environment
-from tiny import VISION_ARCHITECTURES, build_tiny_model
 
 TEMPERATURE = 0.7
 
@@ -77,8 +77,10 @@ def main(engine: str, architecture: str, out: str):
     # the weight stream casts each shard before its gather: bf16 tensors equal to the full fp32 ones, cast
     streamed = dict(stream_full_weights(actor, torch.bfloat16, device))
     full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in actor.named_parameters()}
-    stream_exact = all(streamed[k].dtype == torch.bfloat16 and torch.equal(streamed[k], full[k].bfloat16()) for k in full)
-    # the frozen reference stored in bf16 (as on GPU): the checkpoint's log-probs (the first samples') within bf16 rounding
+    stream_exact = all(streamed[k].dtype == torch.bfloat16 and torch.equal(streamed[k], full[k].bfloat16())
+                       for k in full)
+    # the frozen reference stored in bf16 (as on GPU): the checkpoint's log-probs (the first samples') within bf16
+    # rounding
     ref = load_sharded_model(path, device, trainable=False, dtype=torch.bfloat16)
     ref_dtypes, ref_gap = sorted({str(p.dtype) for p in ref.parameters()}), logprob_gap(ref, prompts, before, pad_id=0)
     result = {

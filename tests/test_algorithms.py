@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,7 +69,8 @@ def test_kl_estimators_by_hand():
     torch.testing.assert_close(kl_penalty(logprobs, ref, "kl"), torch.tensor([1.0, -1.0, 30.0]))
     torch.testing.assert_close(kl_penalty(logprobs, ref, "abs"), torch.tensor([1.0, 1.0, 30.0]))
     torch.testing.assert_close(kl_penalty(logprobs, ref, "mse"), torch.tensor([0.5, 0.5, 450.0]))
-    # low_var_kl: x = l_ref - l: -1 -> e^-1 + 1 - 1 = 0.367879; 1 -> e - 2 = 0.718282; -30 -> clamp(-20) -> 19 -> clamp 10
+    # low_var_kl: x = l_ref - l: -1 -> e^-1 + 1 - 1 = 0.367879; 1 -> e - 2 = 0.718282;
+    # -30 -> clamp(-20) -> 19 -> clamp 10
     torch.testing.assert_close(kl_penalty(logprobs, ref, "low_var_kl"), torch.tensor([0.367879, 0.718282, 10.0]),
                                atol=1e-5, rtol=0)
 
@@ -88,7 +90,7 @@ def test_logprobs_do_not_depend_on_padding_or_batching(tmp_path):
     """Each sample's response log-probs are the same alone and in a right-padded batch with others."""
     from transformers import AutoModelForCausalLM
 
-    from tiny import build_tiny_model
+    from plumbing.tiny import build_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model("qwen2", tmp_path / "m"))
     prompts, responses = [[1, 20, 21, 22, 2], [1, 30], [1, 40, 41]], [[50, 51, 2], [60, 61, 62, 63, 2], [70]]
@@ -120,15 +122,16 @@ def test_rloo_dr_grpo_passk_remax_by_hand():
     passk = outcome(grpo_passk_advantages, scores)
     torch.testing.assert_close(passk, torch.tensor([[0.0, 0, 0, 0], [1.520938, 0, 0, 0]]), atol=1e-5, rtol=0)
     # ReMax: one greedy baseline per group
-    torch.testing.assert_close(outcome(remax_advantages, torch.tensor([[1.0, 0.0], [0.2, 0.4]]), torch.tensor([0.5, 0.0])),
-                               torch.tensor([[0.5, -0.5], [0.2, 0.4]]))
+    remax = outcome(remax_advantages, torch.tensor([[1.0, 0.0], [0.2, 0.4]]), torch.tensor([0.5, 0.0]))
+    torch.testing.assert_close(remax, torch.tensor([[0.5, -0.5], [0.2, 0.4]]))
 
 
 def test_reinforce_pp_returns_and_global_whitening_by_hand():
     token_rewards = torch.tensor([[0.0, 0.0, 1.0], [0.5, -1.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     # gamma 0.5: row 0 returns [0.25, 0.5, 1]; row 1 (pad at t=2) [0.5 - 0.5, -1, 0] = [0, -1, 0]
-    # valid returns [0.25, 0.5, 1, 0, -1]: mean 0.15, squared deviations sum 2.2, Bessel var 2.2 / 4 = 0.55 -> A = (G - 0.15) / 0.741620
+    # valid returns [0.25, 0.5, 1, 0, -1]: mean 0.15, squared deviations sum 2.2, Bessel var 2.2 / 4 = 0.55
+    # -> A = (G - 0.15) / 0.741620
     adv = reinforce_pp_advantages(AdvantageInputs(token_rewards, mask, n=1), AlgorithmConfig(gamma=0.5))
     expected = (torch.tensor([[0.25, 0.5, 1.0], [0.0, -1.0, 0.15]]) - 0.15) / math.sqrt(0.55 + 1e-8) * mask
     torch.testing.assert_close(adv, expected)
@@ -173,7 +176,8 @@ def test_cispo_weight_is_clipped_and_detached():
     loss, stats = cispo_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=torch.ones(1, 3), cfg=cfg)
     # weights: r = 6 -> clipped to 5; r = 0.5 -> clipped up to 1 (lower bound 1 - 0); r = 1 -> 1
     torch.testing.assert_close(loss.detach(), torch.tensor([[-5 * math.log(6.0), -math.log(0.5), 0.0]]))
-    assert stats["actor/clipfrac_higher"].tolist() == [[1, 0, 0]] and stats["actor/clipfrac_lower"].tolist() == [[0, 1, 0]]
+    assert (stats["actor/clipfrac_higher"].tolist() == [[1, 0, 0]]
+            and stats["actor/clipfrac_lower"].tolist() == [[0, 1, 0]])
     loss.sum().backward()
     # the weight is a constant: dL/dl = -A * weight, even for the clipped token (PPO would give it 0)
     torch.testing.assert_close(new.grad, torch.tensor([[-5.0, -1.0, 1.0]]))
@@ -201,7 +205,8 @@ def test_seq_mean_token_sum_by_hand():
 
 def test_token_rewards_fixed_and_adaptive_kl_by_hand():
     scores, mask = torch.tensor([1.0, 0.5]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    old, ref = torch.tensor([[-1.0, -1.0, -9.0], [-2.0, -9.0, -9.0]]), torch.tensor([[-1.2, -1.4, 0.0], [-2.0, 0.0, 0.0]])
+    old = torch.tensor([[-1.0, -1.0, -9.0], [-2.0, -9.0, -9.0]])
+    ref = torch.tensor([[-1.2, -1.4, 0.0], [-2.0, 0.0, 0.0]])
     # no KL in the reward: the score on the last valid token, zero elsewhere (padding included)
     rewards, coef = token_rewards(scores, mask, old, ref, AlgorithmConfig(), kl_coef=0.1)
     assert rewards.tolist() == [[0.0, 1.0, 0.0], [0.5, 0.0, 0.0]] and coef == 0.1
@@ -270,7 +275,7 @@ def test_two_ranks_two_micro_batches_equal_one_batch(tmp_path, loss_agg_mode, lo
 
 
 def test_lr_schedule_warmup_then_cosine():
-    from optimizer import lr_lambda
+    from plumbing.optimizer import lr_lambda
 
     factor = lr_lambda(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, total_steps=6)
     # warm-up (step + 1) / 2; then cosine over the 4 remaining steps from 1 down to 0.1
@@ -287,7 +292,7 @@ def test_non_finite_gradient_skips_the_optimizer_step(tmp_path):
 
     from conftest import free_port
     from grpo import Config, update_policy
-    from tiny import build_tiny_model
+    from plumbing.tiny import build_tiny_model
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
@@ -299,13 +304,13 @@ def test_non_finite_gradient_skips_the_optimizer_step(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         before = [p.detach().clone() for p in model.parameters()]
 
-        nan_advantages = torch.full((2, 3), float("nan")) * batch["response_mask"]
-        metrics, _ = update_policy(model, optimizer, batch, old, None, nan_advantages, cfg)
+        nan_advantages = torch.full((2, 3), float("nan")) * batch.response_mask
+        metrics, _ = update_policy(model, optimizer, replace(batch, old_logprobs=old, advantages=nan_advantages), cfg)
         assert metrics["actor/skipped_steps"] == 1 and not math.isfinite(metrics["actor/grad_norm"])
         assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
-        advantages = torch.tensor([[1.0], [-1.0]]) * batch["response_mask"]
-        metrics, _ = update_policy(model, optimizer, batch, old, None, advantages, cfg)
+        advantages = torch.tensor([[1.0], [-1.0]]) * batch.response_mask
+        metrics, _ = update_policy(model, optimizer, replace(batch, old_logprobs=old, advantages=advantages), cfg)
         assert metrics["actor/skipped_steps"] == 0 and metrics["actor/optimizer_steps"] == 1
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     finally:

@@ -1,4 +1,4 @@
-"""balance.py: the deal by hand, then the exchange under torchrun (2 ranks, gloo) with every kind of row data.
+"""plumbing/balance.py: the deal by hand, then the exchange under torchrun (2 ranks, gloo) with every kind of row data.
 That the gradient is unchanged by balancing is checked with the other distributed invariants (test_algorithms.py)."""
 
 import json
@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from balance import _host_row, deal
 from conftest import ROOT, free_port
 from logprobs import make_batch
+from plumbing.balance import deal
 
 
 def test_the_docstring_example():
@@ -45,15 +45,15 @@ def test_a_mini_batch_that_would_not_gain_enough_stays_where_it_is():
 def test_a_row_travels_without_the_rest_of_its_batch():
     """A row's cut of a [B, R] tensor is a view; pickled as it is, it would carry the whole tensor."""
     batch = make_batch([[1, 2]] * 64, [[3] * 2000] + [[4] * 3] * 63, pad_id=0)
-    advantages = torch.ones(batch["response_mask"].shape)  # [64, 2000]: 512 kB
-    assert len(pickle.dumps(_host_row(batch, [advantages, None], 1))) < 2000
+    batch.advantages = torch.ones(batch.response_mask.shape)  # [64, 2000]: 512 kB
+    assert len(pickle.dumps(batch.row(1))) < 2000
 
 
 WORKER = """
 import json, sys
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
-from balance import balance_over_ranks
+from plumbing.balance import balance_over_ranks
 from logprobs import make_batch
 
 dist.init_process_group("gloo")
@@ -63,15 +63,16 @@ rank = dist.get_rank()
 ids = [7, 8, 5, 6] if rank == 0 else [1, 2, 3, 4]
 batch = make_batch([[1, k] for k in ids], [[k + 100] * k for k in ids], 0, [[-k / 10] * k for k in ids], "cpu",
                    [{{"pixel_values": torch.full((2, 3), float(k))}} if k % 2 else None for k in ids])
-advantages = torch.tensor([[float(k)] * k + [0.0] * (8 - k) for k in ids])[:, : batch["response_mask"].shape[1]]
-new, (old, moved) = balance_over_ranks(batch, [None, advantages], mini_batch=2, pad_id=0)
+batch.advantages = torch.tensor([[float(k)] * k + [0.0] * (8 - k) for k in ids])[:, : batch.response_mask.shape[1]]
+new = balance_over_ranks(batch, mini_batch=2, pad_id=0)
+old, moved = new.old_logprobs, new.advantages
 rows = []
-for i in range(len(new["prompt_lengths"])):
-    p, r = new["prompt_lengths"][i], new["response_lengths"][i]
-    vision = new["vision"][i]
-    rows.append({{"prompt": new["input_ids"][i, :p].tolist(), "response": new["input_ids"][i, p:p + r].tolist(),
-                 "padding": new["input_ids"][i, p + r:].tolist(), "mask": new["response_mask"][i].tolist(),
-                 "engine": new["rollout_logprobs"][i].tolist(), "advantages": moved[i].tolist(),
+for i in range(len(new.prompt_lengths)):
+    p, r = new.prompt_lengths[i], new.response_lengths[i]
+    vision = new.vision[i]
+    rows.append({{"prompt": new.input_ids[i, :p].tolist(), "response": new.input_ids[i, p:p + r].tolist(),
+                 "padding": new.input_ids[i, p + r:].tolist(), "mask": new.response_mask[i].tolist(),
+                 "engine": new.rollout_logprobs[i].tolist(), "advantages": moved[i].tolist(),
                  "image": None if vision is None else vision["pixel_values"].flatten().tolist()}})
 gathered = [None, None]
 dist.all_gather_object(gathered, {{"old": old, "rows": rows}})

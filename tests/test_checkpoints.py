@@ -1,7 +1,7 @@
 """Checkpoints and resume: exact resume under torchrun, crash safety, the save limit, resharding onto 1 rank;
 and the console of those runs.
 
-The torchrun tests run the real entry point (2 ranks, gloo); the rules of checkpoints.py (which folder is
+The torchrun tests run the real entry point (2 ranks, gloo); the rules of plumbing/checkpoints.py (which folder is
 complete, which is best, what the save limit deletes, when a resume is refused) are checked in-process
 on a world of one.
 """
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.fsdp import fully_shard
 
-import checkpoints
+import plumbing.checkpoints as checkpoints
 from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, free_port, torchrun
 
 # bf16 AdamW moments, a reward the random model earns, a warm-up spanning the resume point then cosine, and the KL in
@@ -54,8 +54,8 @@ def straight_and_resumed(tmp_path_factory):
     """The same 4-step job twice: straight, and as 2 steps plus a second launch that resumes and trains 3-4.
     Returns the output folder and the console output of the straight run and of the resuming launch.
 
-    All three launches run RESUME_JOB: bf16 AdamW moments, a learning signal, warm-up then cosine, adaptive KL. The memory
-    options ride along, one per launch: the straight run moves its training state to the host while vLLM
+    All three launches run RESUME_JOB: bf16 AdamW moments, a learning signal, warm-up then cosine, adaptive KL. The
+    memory options ride along, one per launch: the straight run moves its training state to the host while vLLM
     generates, the first resumed launch keeps it there under FSDP2's CPU offload, the second uses neither. On a
     CPU both moves stay in host memory, so the runs must agree bitwise: state an offload dropped, reordered or
     failed to bring back would show as a difference.
@@ -264,8 +264,9 @@ def test_a_checkpoint_of_another_model_or_dataset_is_refused(world_of_one, tmp_p
     model, optimizer = tiny_model()
     save(tmp_path, 1, model, optimizer, None)
     for other in ({"model": "tiny:llama", "data": "toy"}, {"model": "tiny:qwen2", "data": "mine.jsonl"}):
-        with pytest.raises(SystemExit, match=f"a checkpoint of model tiny:qwen2 on data toy, but this launch trains model "
-                                             f"{other['model']} on data {other['data']}"):
+        expected = (f"a checkpoint of model tiny:qwen2 on data toy, but this launch trains model "
+                    f"{other['model']} on data {other['data']}")
+        with pytest.raises(SystemExit, match=expected):
             checkpoints.find_resume_point(tmp_path, "auto", other)
     # a checkpoint saved before they were recorded: its run's config.json says what it trained
     save(tmp_path / "old", 1, model, optimizer, None, job={})
@@ -286,7 +287,8 @@ def test_resuming_an_earlier_checkpoint_rewinds_the_run(world_of_one, tmp_path):
     said = []
     checkpoints.prepare_run_folder(tmp_path, {"trainer": {"lr": 2}}, start, said.append)
     assert [p.name for p in checkpoints.complete_checkpoints(tmp_path)] == ["step_000001"]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("discarded-*/step_*")) == ["step_000002", "step_000003"]
+    discarded = sorted(p.name for p in (tmp_path / "checkpoints").glob("discarded-*/step_*"))
+    assert discarded == ["step_000002", "step_000003"]
     assert "rewound to step_000001" in said[0]
     assert json.loads((tmp_path / "checkpoints" / "tracker.json").read_text())["latest"] == 1
     assert checkpoints.find_resume_point(tmp_path, "auto", JOB) == start

@@ -1,4 +1,4 @@
-"""cpu_stack.py applies the torchvision fix only to a CPU torch beside a CUDA torchvision."""
+"""plumbing/cpu_stack.py applies the torchvision fix only to a CPU torch beside a CUDA torchvision."""
 
 import subprocess
 import sys
@@ -21,7 +21,8 @@ def test_fix_only_where_needed(tmp_path, torch_cuda, torchvision_version, expect
     (tmp_path / "torchvision").mkdir()
     (tmp_path / "torchvision" / "__init__.py").write_text("")
     (tmp_path / "torchvision" / "version.py").write_text(f"__version__ = '{torchvision_version}'\n")
-    code = f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]; import cpu_stack; print(cpu_stack.needs_fix())"
+    code = (f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]; "
+            f"import plumbing.cpu_stack as cpu_stack; print(cpu_stack.needs_fix())")
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(expected)
 

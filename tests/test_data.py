@@ -10,7 +10,7 @@ from transformers import AutoProcessor
 
 from data import (DataConfig, PromptDataset, PromptLoader, load_rows, resize_image, resized_size, shard, toy_rows,
                   validation_files)
-from tiny import build_tiny_model, build_tokenizer
+from plumbing.tiny import build_tiny_model, build_tokenizer
 
 MATH_SUFFIX = (" You first think about the reasoning process as an internal monologue and then provide the final"
                " answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer"
@@ -181,7 +181,8 @@ def test_image_rows_every_image_form_placeholders_in_order_and_mixed_rows(tmp_pa
         rows = [{"problem": "<image>left, <image>right: same?", "answer": "no", "images": images},
                 {"problem": "text only", "answer": "1", "images": []}]
         dataset = PromptDataset(datasets.Dataset.from_list(rows), cfg, processor.tokenizer, form, processor)
-        assert [dataset[i]["prompt"] for i in range(2)] == [chat(f"{VISION}left, {VISION}right: same?"), chat("text only")]
+        assert [dataset[i]["prompt"] for i in range(2)] == [chat(f"{VISION}left, {VISION}right: same?"),
+                                                            chat("text only")]
         first, second = dataset[0]["images"]
         assert first.mode == "RGB" and dataset[1]["images"] == []
         assert (first.size, second.size) == (((56, 28), (56, 28)) if form == "paths" else ((28, 28), (28, 56))), form
@@ -201,7 +202,7 @@ def test_the_resize_rule_and_its_use_in_both_directions():
 def test_image_tokens_count_against_the_prompt_length(tmp_path, processor):
     """A 56 x 56 image is 4 x 4 patches, 4 tokens after the 2 x 2 merge; a 112 x 112 one 16: the limit that
     keeps the text and a small image drops the same text with a large one."""
-    text_tokens = len(processor.tokenizer(chat(VISION + "x"), add_special_tokens=False)["input_ids"])
+    text_tokens = len(processor.tokenizer(chat(VISION + "x"), add_special_tokens=False).input_ids)
     rows = [{"problem": "<image>x", "answer": str(side), "images": [png((side, side))]} for side in (56, 112)]
     limit = text_tokens - 1 + 4
     cfg = DataConfig(max_prompt_length=limit, min_pixels=28 * 28, max_pixels=112 * 112)
@@ -236,7 +237,7 @@ def test_image_rows_need_a_vision_language_model(tokenizer):
 def test_overlong_prompts_are_dropped(tmp_path, tokenizer):
     rows = [{"question": "x" * length, "solution": str(length)} for length in (5, 50, 10, 80)]
     rows_ = load_rows(str(write_jsonl(tmp_path / "lengths.jsonl", rows)))
-    overhead = len(tokenizer(chat(""), add_special_tokens=False)["input_ids"])  # + 1 token per character
+    overhead = len(tokenizer(chat(""), add_special_tokens=False).input_ids)  # + 1 token per character
     dataset = PromptDataset(rows_, custom_keys(max_prompt_length=overhead + 10), tokenizer, "lengths")
     assert dataset.num_filtered == 2
     assert [dataset[i]["ground_truth"] for i in range(len(dataset))] == ["5", "10"]

@@ -9,6 +9,7 @@ GPU tensors). On a GPU machine the same tests also run on `cuda` under a real NC
 """
 
 import ast
+from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,17 +18,18 @@ import torch
 import torch.distributed as dist
 
 import grpo
-import metrics
+import plumbing.metrics as metrics
 from conftest import free_port
-from fsdp_utils import all_reduce, sum_over_ranks, to_floats
 from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, Config, Group, aggregate,
                   backward_mini_batch, kl_penalty, token_rewards)
 from logprobs import batched_logprobs, make_batch, response_logprobs
-from metrics import logprob_metrics, score_metrics
+from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
+from plumbing.metrics import logprob_metrics, score_metrics
 from vision import vision_inputs
 
 DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_object")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_gather_object")
 SEEN: list[str] = []  # the collectives the checking stand-ins received (meta)
 
 
@@ -87,7 +89,8 @@ class StandIn(torch.nn.Module):
         """`packing`: what a packed row tells the attention (cu_seq_lens_q, ...), which the stand-in has none of;
         its tensors must be on the data's device too."""
         assert_on(input_ids.device, *(v for v in packing.values() if isinstance(v, torch.Tensor)))
-        hidden = self.model(input_ids, position_ids[0] if position_ids.dim() == 3 else position_ids)  # [4, 1, S]: text row
+        # [4, 1, S]: text row
+        hidden = self.model(input_ids, position_ids[0] if position_ids.dim() == 3 else position_ids)
         return SimpleNamespace(logits=self.head(hidden.last_hidden_state[:, logits_to_keep]))
 
 
@@ -108,11 +111,11 @@ def assert_on(device, *tensors):
 def test_batch_and_logprobs_stay_on_the_device(device, padding_free):
     """Packed or padded: every index (built on the host from the lengths) meets the data on its device."""
     batch = rollout_batch(device)
-    assert_on(device, *(v for v in batch.values() if isinstance(v, torch.Tensor)))
+    assert_on(device, *(v for f in fields(batch) if isinstance(v := getattr(batch, f.name), torch.Tensor)))
     with torch.device(device):
         model = StandIn()
     logprobs = response_logprobs(model, batch, 0.7, padding_free)  # the GPU crash of issue 6 lived here
-    assert logprobs.shape == batch["response_mask"].shape
+    assert logprobs.shape == batch.response_mask.shape
     assert_on(device, logprobs, batched_logprobs(model, batch, 0.7, micro_batch_size=3, padding_free=padding_free))
 
 
@@ -128,7 +131,7 @@ def test_image_inputs_follow_the_batch_to_its_device(device):
 
 @pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
 def test_token_rewards_and_every_estimator_stay_on_the_device(device, estimator):
-    mask = rollout_batch(device)["response_mask"]
+    mask = rollout_batch(device).response_mask
     old, ref = torch.randn(mask.shape, device=device), torch.randn(mask.shape, device=device)
     kl_in_reward = AlgorithmConfig(use_kl_loss=False, use_kl_in_reward=True)  # adaptive needs the host: GPU only
     rewards, _ = token_rewards(torch.tensor([1.0, 0.0, 0.5, 0.5], device=device), mask, old, ref, kl_in_reward, 0.1)
@@ -142,7 +145,7 @@ def test_token_rewards_and_every_estimator_stay_on_the_device(device, estimator)
 @pytest.mark.parametrize("loss_type", sorted(POLICY_LOSSES))
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_every_loss_kl_and_aggregation_stay_on_the_device(device, loss_type, mode):
-    mask = rollout_batch(device)["response_mask"]
+    mask = rollout_batch(device).response_mask
     logprobs, old, ref, advantages = (torch.randn(mask.shape, device=device) for _ in range(4))
     loss, stats = POLICY_LOSSES[loss_type](logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
                                            cfg=AlgorithmConfig())
@@ -160,11 +163,12 @@ def test_update_and_metrics_stay_on_the_device(device):
     old = batched_logprobs(model, batch, 1.0, micro_batch_size=4)
     cfg = Config()
     cfg.actor.micro_batch_size = 2
-    sums = backward_mini_batch(model, batch, old, old + 0.1, torch.ones_like(old), cfg)  # loss + KL loss + backward
-    assert_on(device, *sums.values(), *(p.grad for p in model.parameters()))
-    on_policy = backward_mini_batch(model, batch, None, old + 0.1, torch.ones_like(old), cfg)  # the update's own old
-    assert_on(device, *on_policy.values())
-    metrics = logprob_metrics(batch, old, old - 0.1)
+    batch = replace(batch, ref_logprobs=old + 0.1, advantages=torch.ones_like(old))
+    sums, own = backward_mini_batch(model, replace(batch, old_logprobs=old), cfg)  # loss + KL loss + backward
+    assert_on(device, *sums.values(), own, *(p.grad for p in model.parameters()))
+    on_policy, own = backward_mini_batch(model, batch, cfg)  # the update's own old
+    assert_on(device, *on_policy.values(), own)
+    metrics = logprob_metrics(replace(batch, old_logprobs=old, ref_logprobs=old - 0.1))
     responses = [SimpleNamespace(token_ids=[9, 2], truncated=False), SimpleNamespace(token_ids=[3] * 4, truncated=True)]
     groups = [Group({}, responses, [{"overall": 1.0, "accuracy": 1.0}, {"overall": 0.0, "accuracy": 0.0}])]
     metrics.update(score_metrics("train", groups, device))
@@ -183,4 +187,5 @@ def test_the_trainer_issues_collectives_only_through_the_checked_helpers(module)
     direct = [f"line {node.lineno}: dist.{node.attr}" for node in ast.walk(tree)
               if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "dist"
               and node.attr in COLLECTIVES]
-    assert not direct, f"{module.__file__} calls collectives directly (use fsdp_utils.all_reduce / sum_over_ranks): {direct}"
+    assert not direct, (f"{module.__file__} calls collectives directly "
+                        f"(use fsdp_utils.all_reduce / sum_over_ranks): {direct}")

@@ -19,13 +19,13 @@ import huggingface_hub
 import pandas as pd
 import pytest
 from PIL import Image
+from test_console import our_tracebacks
 
 import grpo
-import merge
+import scripts.merge as merge
 from conftest import ROOT, free_port, launch
 from fsdp_utils import check_model_source
-from test_console import our_tracebacks
-from tiny import build_tiny_model
+from plumbing.tiny import build_tiny_model
 
 SMALL = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
          "--rollout.engine", "hf", "--trainer.no-val-before-train"]  # no --actor.micro-batch-size: derived
@@ -120,7 +120,7 @@ def test_another_model_is_refused_in_a_run_folder_naming_both(user_run):
 def test_the_merger_never_writes_over_files_it_did_not_write(user_run, tmp_path):
     run = user_run[0] / "runs" / "tiny-qwen2_questions"
     before = snapshot(run)
-    proc = subprocess.run([sys.executable, "-m", "merge", str(run), str(run)], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "scripts.merge", str(run), str(run)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)  # OUT = the run folder: its checkpoints and metrics stay
     assert proc.returncode == 1 and proc.stderr.count("error: ") == 1 and not our_tracebacks(proc.stderr)
     assert "holds files this program did not write" in proc.stderr
@@ -138,8 +138,9 @@ def test_the_merger_replaces_its_own_output_only_when_asked(user_run, tmp_path):
     run, out = user_run[0] / "runs" / "tiny-qwen2_questions", tmp_path / "merged"
 
     def merge_into(*flags):
-        return subprocess.run([sys.executable, "-m", "merge", str(run), str(out), *flags], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(free_port())})
+        return subprocess.run([sys.executable, "-m", "scripts.merge", str(run), str(out), *flags], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "MASTER_PORT": str(free_port())})
 
     first = merge_into()
     assert first.returncode == 0, first.stderr
@@ -232,7 +233,8 @@ def train_on_a_small_disk(tmp_path: Path, model_folder: Path, size: str, *flags:
     script = (f'mount -t tmpfs -o size={size} tmpfs "{small}" || exit 99; cd "{ROOT}"; "$@"; status=$?; '
               f'cp -a "{small}/." "{kept}/"; exit $status')
     proc = subprocess.run(["unshare", *(["-m"] if os.geteuid() == 0 else ["-r", "-m"]), "sh", "-c", script, "sh",
-                           *command], capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           *command], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode == 99 or "unshare failed" in proc.stderr:
         pytest.skip(f"cannot mount a small filesystem here: {proc.stderr[-300:]}")
     return proc, kept, [arg if arg != str(small) else str(kept) for arg in args]
@@ -264,7 +266,8 @@ def test_a_full_disk_at_the_final_save_leaves_nothing_half_written(tmp_path, mod
                                           "--trainer.save-freq", "0")
     one_error_line(proc, "no space left on device for the run's final model folder", "(about 1.2 MiB)",
                    "nothing was written there")
-    assert sorted(p.name for p in (kept / "tiny_toy").iterdir()) == ["config.json", "generations.jsonl", "metrics.jsonl"]
+    assert sorted(p.name for p in (kept / "tiny_toy").iterdir()) == ["config.json", "generations.jsonl",
+                                                                      "metrics.jsonl"]
 
 
 # ---------------------------------------------------------------- Ctrl-C
@@ -303,7 +306,8 @@ def test_impossible_flags_are_named_before_anything_loads(tmp_path):
                        "--trainer.output-dir", str(tmp_path)])
     assert proc.returncode == 1 and proc.stderr.count("error: invalid configuration") == 1
     for flag in ("--trainer.total-steps 0 must be at least 1", "--actor.lr -1.0 must be at least 0",
-                 "--trainer.save-freq -1", "--rollout.max-response-length 0", "--rollout.temperature 0.0 must be above 0"):
+                 "--trainer.save-freq -1", "--rollout.max-response-length 0",
+                 "--rollout.temperature 0.0 must be above 0"):
         assert flag in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir())  # nothing written, no model built
 
@@ -311,7 +315,8 @@ def test_impossible_flags_are_named_before_anything_loads(tmp_path):
 @pytest.mark.parametrize("model, message", [
     ("/no/such/model", "no such folder, and not a hub id"),
     ("EMPTY", "the folder has no config.json"),
-    ("someone/unreachable-model", "cannot be reached from this machine (ConnectError) nor is in its Hugging Face cache"),
+    ("someone/unreachable-model",
+     "cannot be reached from this machine (ConnectError) nor is in its Hugging Face cache"),
 ])
 @pytest.mark.slow
 def test_a_model_that_cannot_load_is_one_line(tmp_path, model, message):
@@ -339,6 +344,33 @@ def test_a_hub_model_in_the_cache_loads_offline_without_retries(tmp_path, monkey
     assert huggingface_hub.constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
     with pytest.raises(SystemExit, match="exceed the context of someone/tiny"):
         check_model_source("someone/tiny", "someone/tiny", longest_sequence=2000)
+
+
+@pytest.mark.parametrize("setting", [{"final_logit_softcapping": 30.0}, {"logit_scale": 0.0625},
+                                     {"logits_scaling": 4.0}])
+def test_a_model_that_transforms_its_logits_in_its_head_is_refused(tmp_path, setting):
+    """The trainer applies the output head outside the model's forward (logprobs.head_logprobs): a model whose
+    forward soft-caps or scales the logits (Gemma 2's final soft-capping, Cohere's, Granite's scaling) would get
+    other log-probs from the trainer than from itself and the engine. Refused at start-up, naming the setting; the
+    same setting at its no-op value (Gemma 2 without soft-capping, scaling 1) passes."""
+    from transformers import Gemma2Config
+
+    path = build_tiny_model("qwen2", tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **setting}))
+    name, value = next(iter(setting.items()))
+    with pytest.raises(SystemExit, match=rf"transforms its logits in its forward \({name} {value}\).*not supported"):
+        check_model_source(str(path), "tiny:qwen2", longest_sequence=64)
+    (path / "config.json").write_text(json.dumps({**config, name: 0 if name == "final_logit_softcapping" else 1}))
+    check_model_source(str(path), "tiny:qwen2", longest_sequence=64)
+    gemma = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # soft-caps at 30 by default
+    gemma.save_pretrained(tmp_path / "gemma")
+    with pytest.raises(SystemExit, match="final_logit_softcapping 30.0"):
+        check_model_source(str(tmp_path / "gemma"), str(tmp_path / "gemma"), longest_sequence=64)
+    gemma.final_logit_softcapping = None
+    gemma.save_pretrained(tmp_path / "gemma")
+    check_model_source(str(tmp_path / "gemma"), str(tmp_path / "gemma"), longest_sequence=64)
 
 
 @pytest.mark.slow

@@ -23,5 +23,6 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     assert update["tokens"] == 8 * 32 and update["tokens_per_s"] > 0 and update["mfu"] is None
     paths = report["paths"]
     assert paths["packed_vs_padded_max"] < 1e-4 and paths["attention"] == "packed_sdpa"
-    assert paths["nondeterminism_max"] == paths["offload_weight_diff_max"] == paths["fsdp_cpu_offload_weight_diff_max"] == 0.0
+    assert (paths["nondeterminism_max"] == paths["offload_weight_diff_max"]
+            == paths["fsdp_cpu_offload_weight_diff_max"] == 0.0)
     assert paths["fsdp_cpu_offload_streamed"] > 0 and paths["reference_after_reshard_gib"] == 0.0

@@ -25,13 +25,13 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
 from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from attention import (PACKED_SDPA, attention_implementation, attention_line, flash_attn_problem,
-                       packed_sdpa_attention, packed_sdpa_mask)
 from conftest import ROOT
 from fsdp_utils import load_sharded_model, process_group_backend, save_hf_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch, response_logprobs
-from lora import LoRAConfig, add_adapters, adapters_off
-from tiny import build_tiny_model
+from lora import LoRAConfig, adapters_off, add_adapters
+from plumbing.attention import (PACKED_SDPA, attention_implementation, attention_line, flash_attn_problem,
+                                packed_sdpa_attention, packed_sdpa_mask)
+from plumbing.tiny import build_tiny_model
 
 
 def fake_backend(device_type: str) -> str:
@@ -117,7 +117,8 @@ def test_lora_gathers_the_base_in_its_stored_dtype(world_of_two, monkeypatch):
     model = lora_llama(torch.bfloat16)
     gathered = []
     full_tensor = DTensor.full_tensor
-    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: gathered.append(self.dtype) or full_tensor(self, **kw))
+    monkeypatch.setattr(DTensor, "full_tensor",
+                        lambda self, **kw: gathered.append(self.dtype) or full_tensor(self, **kw))
     streamed = dict(stream_full_weights(model, torch.bfloat16, torch.device("meta")))
     adapted = sum(hasattr(module, "lora_A") for module in model.modules())
     assert adapted == 7 and all(t.dtype == torch.bfloat16 for t in streamed.values())
@@ -192,7 +193,8 @@ def test_flash_attn_is_used_only_if_it_imports_and_runs(tmp_path, monkeypatch):
     package = tmp_path / "flash_attn"
     package.mkdir()
     (package / "__init__.py").write_text("def flash_attn_varlen_func(*args, **kwargs):\n"
-                                         "    raise RuntimeError('no kernel image is available for execution on the device')\n")
+                                         "    raise RuntimeError('no kernel image is available for execution "
+                                         "on the device')\n")
     cuda = torch.device("cuda", 0)
     flash_attn_problem.cache_clear()
     try:

@@ -7,6 +7,7 @@ largest gradient entry.
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,13 +15,13 @@ from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import logprobs
-from attention import PACKED_SDPA
 from fsdp_utils import load_sharded_model
 from grpo import Config, backward_mini_batch, update_policy
 from logprobs import (balanced_bins, batched_logprobs, budget_bins, forward_inputs, make_batch, micro_batches,
-                      response_logprobs, select)
-from metrics import logprob_metrics
-from tiny import build_tiny_model, build_tiny_vlm
+                      response_logprobs)
+from plumbing.attention import PACKED_SDPA
+from plumbing.metrics import logprob_metrics
+from plumbing.tiny import build_tiny_model, build_tiny_vlm
 from vision import expand_prompt
 
 PROMPTS = [[1, 20, 21, 22, 2], [1, 30], [1, 40, 41], [1, 25, 26, 27, 28, 29, 30], [1, 33]]
@@ -29,7 +30,7 @@ RESPONSES = [[50, 51, 2], [60, 61, 62, 63, 2], [70], [80, 81], [90, 91, 92, 93, 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """The tiny model with the trainer's attention (attention.py's packed_sdpa on CPU)."""
+    """The tiny model with the trainer's attention (plumbing/attention.py's packed_sdpa on CPU)."""
     return AutoModelForCausalLM.from_pretrained(build_tiny_model("qwen2", tmp_path_factory.mktemp("m") / "m"),
                                                 attn_implementation=PACKED_SDPA)
 
@@ -58,11 +59,11 @@ def assert_same_gradients(a: dict, b: dict):
 
 def test_make_batch_layout():
     batch = make_batch([[5, 6, 7], [8]], [[9, 2], [10, 11, 2]], pad_id=0)
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 2], [8, 10, 11, 2, 0]]
-    assert batch["responses"].tolist() == [[9, 2, 0], [10, 11, 2]]
-    assert batch["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
-    assert batch["prompt_lengths"] == [3, 1] and batch["response_lengths"] == [2, 3]
-    assert select(batch, [1])["prompt_lengths"] == [1] and select(batch, [1])["input_ids"].tolist() == [[8, 10, 11, 2, 0]]
+    assert batch.input_ids.tolist() == [[5, 6, 7, 9, 2], [8, 10, 11, 2, 0]]
+    assert batch.responses.tolist() == [[9, 2, 0], [10, 11, 2]]
+    assert batch.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert batch.prompt_lengths == [3, 1] and batch.response_lengths == [2, 3]
+    assert batch.select([1]).prompt_lengths == [1] and batch.select([1]).input_ids.tolist() == [[8, 10, 11, 2, 0]]
 
 
 def test_packed_layout_by_hand(model):
@@ -115,10 +116,10 @@ def test_chunks_bound_the_logits_memory(model):
 def test_packed_equals_padded_logprobs_loss_and_gradients(model):
     """One packed row and right-padded rows: the same per-token log-probs, and the same loss and gradients."""
     batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
-    weights = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(response_logprobs(model, batch, 1.0, True), response_logprobs(model, batch, 1.0, False),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(response_logprobs(model, batch, 1.0, True),
+                                   response_logprobs(model, batch, 1.0, False), atol=1e-5, rtol=0)
     assert_same_gradients(gradients(model, lambda: response_logprobs(model, batch, 1.0, False), weights),
                           gradients(model, lambda: response_logprobs(model, batch, 1.0, True), weights))
 
@@ -135,13 +136,13 @@ def test_packed_equals_padded_for_vision_language_models(tmp_path, architecture)
     start, pad, end = vocab("<|vision_start|>"), vocab("<|image_pad|>"), vocab("<|vision_end|>")
     items = [{"prompt_ids": [1, start, pad, end, 40, 41], "images": [Image.new("RGB", (56, 84), (255, 0, 0))]},
              {"prompt_ids": [1, 30, 31], "images": []},
-             {"prompt_ids": [1, start, pad, end, 50, start, pad, end], "images": [Image.new("RGB", (112, 56), (0, 255, 0)),
-                                                                                  Image.new("RGB", (56, 56), (0, 0, 255))]}]
+             {"prompt_ids": [1, start, pad, end, 50, start, pad, end],
+              "images": [Image.new("RGB", (112, 56), (0, 255, 0)), Image.new("RGB", (56, 56), (0, 0, 255))]}]
     prompts, images = zip(*[expand_prompt(processor, item) for item in items])
     batch = make_batch(list(prompts), [[60, 61, 2], [70, 71, 72, 73, 2], [80]], pad_id=0, vision=list(images))
     with torch.no_grad():
         packed, padded = response_logprobs(model, batch, 1.0, True), response_logprobs(model, batch, 1.0, False)
-        alone = [response_logprobs(model, select(batch, [b]), 1.0, False)[0] for b in range(3)]
+        alone = [response_logprobs(model, batch.select([b]), 1.0, False)[0] for b in range(3)]
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
     torch.testing.assert_close(packed, torch.stack(alone), atol=1e-5, rtol=0)
     weights = torch.randn(packed.shape, generator=torch.Generator().manual_seed(2))
@@ -150,7 +151,7 @@ def test_packed_equals_padded_for_vision_language_models(tmp_path, architecture)
 
 
 def test_packed_sdpa_is_sdpa_packed_padded_and_in_generation(model, tmp_path):
-    """attention.py's per-sequence sdpa against transformers' sdpa: the same log-probs for a packed row (sdpa
+    """plumbing/attention.py's per-sequence sdpa against transformers' sdpa: the same log-probs for a packed row (sdpa
     with its block-diagonal mask) and for padded rows, and the same greedy generation from a left-padded batch
     (the hf engine's case: a padding mask, then one token at a time against the KV cache)."""
     reference = AutoModelForCausalLM.from_pretrained(model.name_or_path, attn_implementation="sdpa")
@@ -180,19 +181,22 @@ def test_one_micro_batch_of_eight_eight_of_one_and_a_token_budget_give_one_gradi
     """The update's loss over 8 sequences: as one micro-batch, as 8 micro-batches of 1, and as micro-batches by a
     token budget, packed or padded: the same accumulated gradient (exact global normalisation)."""
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(10, 100, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
+    prompts = [torch.randint(10, 100, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(8)]
     responses = [torch.randint(10, 100, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist() + [2]
                  for _ in range(8)]
     batch = make_batch(prompts, responses, pad_id=0)
-    advantages = torch.randn(8, 1, generator=g) * batch["response_mask"]
-    old = batched_logprobs(model, batch, 1.0, micro_batch_size=8) + 0.2 * torch.randn(batch["response_mask"].shape, generator=g)
+    advantages = torch.randn(8, 1, generator=g) * batch.response_mask
+    old = (batched_logprobs(model, batch, 1.0, micro_batch_size=8)
+           + 0.2 * torch.randn(batch.response_mask.shape, generator=g))
     results = []
     for size, budget, padding_free in [(8, 0, True), (1, 0, True), (8, 24, True), (8, 0, False), (2, 0, False)]:
         cfg = Config()
         cfg.algorithm.use_kl_loss = False
-        cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch, cfg.actor.padding_free = size, budget, padding_free
+        cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch = size, budget
+        cfg.actor.padding_free = padding_free
         model.zero_grad(set_to_none=True)
-        backward_mini_batch(model, batch, old, None, advantages, cfg)
+        backward_mini_batch(model, replace(batch, old_logprobs=old, advantages=advantages), cfg)
         results.append({name: p.grad.clone() for name, p in model.named_parameters()})
     assert len(micro_batches(batch, 8, 24)) > 2  # the budget did split the batch
     for other in results[1:]:
@@ -204,7 +208,7 @@ def test_on_policy_update_takes_the_old_logprobs_from_its_own_forward(tmp_path, 
     it returns (for the engine-gap metric) are the policy's log-probs before the step."""
     path = build_tiny_model("qwen2", tmp_path / "m")
     batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
-    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5], [1.0]]) * batch["response_mask"]
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5], [1.0]]) * batch.response_mask
     cfg = Config()
     cfg.algorithm.use_kl_loss, cfg.rollout.n, cfg.trainer.global_batch_size = False, 5, 1
     weights = []
@@ -212,13 +216,14 @@ def test_on_policy_update_takes_the_old_logprobs_from_its_own_forward(tmp_path, 
         model = AutoModelForCausalLM.from_pretrained(path)
         before = batched_logprobs(model, batch, 1.0, micro_batch_size=2)
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step is the gradient (Adam's would be its sign)
-        _, old = update_policy(model, optimizer, batch, before if separate_pass else None, None, advantages, cfg)
+        own_old = before if separate_pass else None
+        _, old = update_policy(model, optimizer, replace(batch, old_logprobs=own_old, advantages=advantages), cfg)
         torch.testing.assert_close(old, before, atol=1e-6, rtol=0)
         weights.append([p.detach().clone() for p in model.parameters()])
     assert max((a - b).abs().max().item() for a, b in zip(*weights)) < 1e-5
     cfg.trainer.ppo_epochs = 2
     with pytest.raises(ValueError, match="old log-probs"):
-        update_policy(model, optimizer, batch, None, None, advantages, cfg)
+        update_policy(model, optimizer, replace(batch, advantages=advantages), cfg)
 
 
 def test_the_engine_gap_metrics_measure_a_known_gap(world_of_one):
@@ -227,8 +232,9 @@ def test_the_engine_gap_metrics_measure_a_known_gap(world_of_one):
     batch = make_batch([[1, 5], [1, 6]], [[7, 8, 2], [9]], pad_id=0)  # 4 valid response tokens
     old = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, 0.0, 0.0]])
     off = torch.tensor([[0.1, -0.3, 0.2], [0.0, 9.0, 9.0]])  # trainer minus engine; the 9s sit on padding
-    batch["rollout_logprobs"] = old - off
-    metrics = logprob_metrics(batch, old, ref_logprobs=None)
+    batch.rollout_logprobs = old - off
+    batch.old_logprobs = old
+    metrics = logprob_metrics(batch)
     assert metrics["rollout/logprob_diff_mean"].item() == pytest.approx((0.1 + 0.3 + 0.2 + 0.0) / 4)
     assert metrics["rollout/logprob_diff_max"].item() == pytest.approx(0.3)
     assert metrics["rollout/is_ratio_mean"].item() == pytest.approx(
@@ -241,7 +247,7 @@ def test_the_kl_loss_enters_the_update_with_its_sign_and_weight(model, world_of_
     token-mean of -A * r + beta * k(l, l_ref), with k by its textbook formula. A flipped sign or a missing beta
     changes the gradient."""
     batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     g = torch.Generator().manual_seed(5)
     advantages = torch.randn(5, 1, generator=g) * mask
     old = batched_logprobs(model, batch, 1.0, micro_batch_size=8)
@@ -249,7 +255,7 @@ def test_the_kl_loss_enters_the_update_with_its_sign_and_weight(model, world_of_
     cfg = Config()
     cfg.algorithm.use_kl_loss, cfg.algorithm.kl_penalty, cfg.algorithm.kl_coef = True, estimator, 0.5
     model.zero_grad(set_to_none=True)
-    backward_mini_batch(model, batch, old, ref, advantages, cfg)
+    backward_mini_batch(model, replace(batch, old_logprobs=old, ref_logprobs=ref, advantages=advantages), cfg)
     update = {name: p.grad.clone() for name, p in model.named_parameters()}
 
     def written_out():
@@ -268,7 +274,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, world_of_one)
     in the backward, the gradients are those of a forward that kept them."""
     path = str(build_tiny_model("qwen2", tmp_path / "m"))
     batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
-    weights = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
     grads = []
     for checkpointing in (False, True):
         model = load_sharded_model(path, torch.device("cpu"), trainable=True, gradient_checkpointing=checkpointing)

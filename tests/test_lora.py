@@ -1,4 +1,5 @@
-"""LoRA (lora.py) and the merger (merge.py): in-process on a world of one, then the real entry point under torchrun.
+"""LoRA (lora.py) and the merger (scripts/merge.py): in-process on a world of one, then the real entry point under
+torchrun.
 
 A fresh adapter is the identity (B = 0), so every in-process test first moves the adapters off zero: a test of
 adapters that change nothing could not fail.
@@ -16,13 +17,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
-from checkpoints import save_checkpoint
 from conftest import ENGINE_GAP, ROOT, torchrun
 from fsdp_utils import load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
 from lora import LoRAConfig, adapters_off, base_name
-from merge import merge
-from tiny import build_tiny_model
+from plumbing.checkpoints import save_checkpoint
+from plumbing.tiny import build_tiny_model
+from scripts.merge import merge
 
 PROMPTS, RESPONSES = [[1, 20, 21, 22], [1, 30], [1, 40, 41, 42, 43]], [[50, 51, 2], [60, 2], [70, 71, 72, 2]]
 LORA = LoRAConfig(rank=4, alpha=8)
@@ -169,8 +170,9 @@ def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_lo
     model after every sync (gap at the full-model level), the base weights are bitwise unchanged and the adapters
     moved; `python -m merge` on the run folder gives a folder vLLM loads and whose log-probs are the trained model's."""
     output = torchrun(["grpo.py", "--lora.rank", "8", "--lora.alpha", "16", "--trainer.total-steps", "2",
-                       "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0", "--trainer.no-val-before-train",
-                       "--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
+                       "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0",
+                       "--trainer.no-val-before-train", "--trainer.rollout-batch-size", "8",
+                       "--trainer.global-batch-size", "8", "--rollout.n", "4",
                        "--actor.micro-batch-size", "8", "--trainer.save-freq", "2"])
     assert "LoRA rank 8:" in output and "the reference is the base (adapters off)" in output
     run = tmp_path / "tiny-qwen2_toy"
@@ -184,7 +186,7 @@ def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_lo
     assert all(torch.equal(base[n], initial[n]) for n in initial)
     assert any(t.abs().max() > 0 for n, t in saved.items() if "lora_B" in n)
 
-    torchrun(["-m", "merge", str(run), str(tmp_path / "merged")])  # two processes: DCP reshards the checkpoint
+    torchrun(["-m", "scripts.merge", str(run), str(tmp_path / "merged")])  # two processes: DCP reshards the checkpoint
     merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(merged[k], final[k]) for k in final)
     assert_vllm_loads_it(tmp_path / "merged")

@@ -1,4 +1,5 @@
-"""memory.py: exact parameter counts, the formulas against hand-computed numbers, and which runs are refused."""
+"""plumbing/memory.py: exact parameter counts, the formulas against hand-computed numbers, and which runs are
+refused."""
 
 import sys
 from pathlib import Path
@@ -6,9 +7,10 @@ from pathlib import Path
 import pytest
 from transformers import Qwen2Config
 
-import memory
-from memory import (ACTIVATIONS, ACTOR_STATE, GRADIENTS, LOGITS, OVERHEAD, REFERENCE, STREAMED, VLLM, VLLM_GRAPHS,
-                    VLLM_WEIGHTS, GiB, check_memory, count_parameters, estimate_memory, gpus_needed, hardware_table)
+import plumbing.memory as memory
+from plumbing.memory import (ACTIVATIONS, ACTOR_STATE, GRADIENTS, LOGITS, OVERHEAD, REFERENCE, STREAMED, VLLM,
+                             VLLM_GRAPHS, VLLM_WEIGHTS, GiB, check_memory, count_parameters, estimate_memory,
+                             gpus_needed, hardware_table)
 
 QWEN_7B = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
@@ -119,7 +121,7 @@ def test_precision_offload_and_token_budget_by_hand():
 
 
 def test_the_readme_shows_the_hardware_table_memory_py_prints():
-    """The README's "GPUs needed" table is `python memory.py --hardware-table` (which writes "(TP 1)" where the
+    """The README's "GPUs needed" table is `python -m plumbing.memory --hardware-table` (which writes "(TP 1)" where the
     README leaves it out): a change to the estimate that moves a cell must move the README too."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     table = hardware_table(80).replace(" (TP 1)", "")
@@ -153,8 +155,10 @@ def test_1_5b_on_eight_gpus_is_accepted():
 
 
 def test_a_training_refusal_names_only_flags_that_shrink_training():
-    with pytest.raises(SystemExit) as refusal:  # fits while generating; not while training 8 x 2k tokens without checkpointing
-        check_memory(QWEN_7B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **{**RUN, "micro_batch_size": 8})
+    # fits while generating; not while training 8 x 2k tokens without checkpointing
+    with pytest.raises(SystemExit) as refusal:
+        check_memory(QWEN_7B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=False,
+                     **{**RUN, "micro_batch_size": 8})
     message = str(refusal.value)
     assert "the training phase does not fit" in message and "rollout phase does not fit" not in message
     for flag in ("--actor.micro-batch-size", "--actor.gradient-checkpointing", "--data.max-prompt-length",
@@ -178,7 +182,8 @@ def test_a_refusal_leaves_out_the_memory_flags_already_set():
 
 
 def test_a_vllm_budget_too_small_for_its_weights_is_refused_until_tensor_parallelism_splits_them():
-    small_budget = dict(world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=True, gpu_memory_utilization=0.1, **RUN)
+    small_budget = dict(world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=True, gpu_memory_utilization=0.1,
+                        **RUN)
     with pytest.raises(SystemExit) as refusal:  # 8 GB budget, 15.2 GB of bf16 weights
         check_memory(QWEN_7B, **small_budget)
     message = str(refusal.value)
@@ -196,7 +201,7 @@ def test_unknown_engine_is_an_error():
 
 def test_command_line_prints_the_table_for_a_config_folder(tmp_path, monkeypatch, capsys):
     QWEN_1_5B.save_pretrained(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["memory.py", str(tmp_path), "--gpus", "8", "--gpu-gib", "80"])
+    monkeypatch.setattr(sys, "argv", ["plumbing/memory.py", str(tmp_path), "--gpus", "8", "--gpu-gib", "80"])
     memory.main()
     table = capsys.readouterr().out
     assert "rollout phase" in table and "training phase" in table and "DOES NOT FIT" not in table
@@ -205,7 +210,7 @@ def test_command_line_prints_the_table_for_a_config_folder(tmp_path, monkeypatch
 def test_the_trainer_passes_its_flags_to_the_check(tmp_path):
     """check_run_memory (called by grpo.py at start-up on GPU) maps the run's flags onto the estimate."""
     from grpo import Config
-    from memory import check_run_memory
+    from plumbing.memory import check_run_memory
 
     QWEN_7B.save_pretrained(tmp_path)
     cfg = Config()

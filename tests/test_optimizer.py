@@ -1,4 +1,4 @@
-"""optimizer.py: AdamW with bf16 moments against hand-computed numbers and against torch's fp32 AdamW, on plain
+"""plumbing/optimizer.py: AdamW with bf16 moments against hand-computed numbers and against torch's fp32 AdamW, on plain
 tensors and on FSDP2's sharded ones; bf16 master weights; the memory moves of offloading."""
 
 import copy as copy_module
@@ -9,8 +9,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_utils import load_sharded_model, move_training_state
-from optimizer import AdamWBF16States, build_optimizer
-from tiny import build_tiny_model
+from plumbing.optimizer import AdamWBF16States, build_optimizer
+from plumbing.tiny import build_tiny_model
 
 
 def test_first_step_by_hand():

@@ -1,4 +1,4 @@
-"""plot.py: what is read from metrics.jsonl, what is drawn from it, the PNG the command writes, clear errors."""
+"""scripts/plot.py: what is read from metrics.jsonl, what is drawn from it, the PNG the command writes, clear errors."""
 
 import json
 import re
@@ -8,7 +8,7 @@ import sys
 import matplotlib.image
 import pytest
 
-import plot
+import scripts.plot as plot
 from conftest import ROOT
 
 # Validation before training (step 0), validation on steps 2 and 4, and step 3 logged twice: the second wins.
@@ -35,8 +35,8 @@ def write_run(tmp_path, lines, name="my-run"):
 
 
 def run_plot(*args):
-    return subprocess.run([sys.executable, "-m", "plot", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "scripts.plot", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_read_metrics_keeps_the_last_line_of_a_step_and_step_0_validation(tmp_path):

@@ -312,8 +312,10 @@ def test_on_error_zero_scores_a_failure_zero_on_every_key_reports_it_once_and_co
     reports = []
     reward = RewardFunction(RewardConfig(misbehaving, timeout=0.3, on_error="zero"), report=reports.append)
     scores = reward([sample("a"), sample("b", "sleeps"), sample("c", "exits"), sample("d")])
-    assert scores == [{"overall": 1.0, "accuracy": 1.0, "failed": 0.0}, {"overall": 0.0, "accuracy": 0.0, "failed": 1.0},
-                      {"overall": 0.0, "accuracy": 0.0, "failed": 1.0}, {"overall": 1.0, "accuracy": 1.0, "failed": 0.0}]
+    assert scores == [{"overall": 1.0, "accuracy": 1.0, "failed": 0.0},
+                      {"overall": 0.0, "accuracy": 0.0, "failed": 1.0},
+                      {"overall": 0.0, "accuracy": 0.0, "failed": 1.0},
+                      {"overall": 1.0, "accuracy": 1.0, "failed": 0.0}]
     assert len(reports) == 1 and "ran past --reward.timeout 0.3s on sample 1" in reports[0]
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from conftest import ENGINE_GAP, torchrun
 
-EOS = 2  # <|im_end|> in tiny.py's tokenizer
+EOS = 2  # <|im_end|> in plumbing/tiny.py's tokenizer
 
 
 @pytest.mark.parametrize("engine, architecture", [("vllm", "qwen2"), ("vllm", "llama"), ("vllm", "qwen3_vl"),
@@ -67,7 +67,8 @@ class RecordingLLM:
         worker = SimpleNamespace(reload_weights=lambda weights_iterator: self.calls.append(
             f"reload {len(list(weights_iterator))} tensors"), model_runner=SimpleNamespace(model=torch.nn.Module()))
         executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker))
-        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(model_executor=executor)),
+        engine_core = SimpleNamespace(engine_core=SimpleNamespace(model_executor=executor))
+        self.llm_engine = SimpleNamespace(engine_core=engine_core,
                                           reset_encoder_cache=lambda: self.calls.append("reset encoder cache"),
                                           model_config=SimpleNamespace(hf_config=SimpleNamespace()))  # a text model
 
@@ -83,7 +84,8 @@ class RecordingLLM:
     def generate(self, requests, params, use_tqdm):
         self.calls.append("generate")
         self.draws.append({"v1": torch.rand(1).item(), "v2": [np.random.randint(2**31) for _ in requests]})
-        sample = SimpleNamespace(token_ids=[5, EOS], logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {EOS: SimpleNamespace(logprob=-0.5)}],
+        sample = SimpleNamespace(token_ids=[5, EOS],
+                                 logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {EOS: SimpleNamespace(logprob=-0.5)}],
                                  finish_reason="stop")
         return [SimpleNamespace(outputs=[sample] * params.n) for _ in requests]
 
@@ -131,7 +133,8 @@ def test_gpu_engine_settings_sleep_wake_sync_order_and_sampling_rng(gpu_stand_in
     torch.manual_seed(7)
     np.random.seed(7)
     rollout.generate(prompts, version=1)
-    assert (torch.rand(1).item(), np.random.rand()) == trainer_next, "generate must leave the trainer's RNGs as they were"
+    rngs_after = (torch.rand(1).item(), np.random.rand())
+    assert rngs_after == trainer_next, "generate must leave the trainer's RNGs as they were"
     assert rollout.llm.calls == ["generate", "sleep 2", "wake weights", "reload 2 tensors", "wake kv_cache",
                                  "reset prefix cache", "reset encoder cache", "generate"]
     # a second engine (another rank of a tensor-parallel group, or a rerun) draws the same at the same step,
@@ -153,6 +156,7 @@ def test_the_offloaded_state_leaves_before_the_kv_cache_wakes_and_returns_after_
     whole KV cache and the whole training state resident at once)."""
     import grpo
     from fsdp_utils import TrainingState
+    from rollout import start_engine
 
     calls = []
     monkeypatch.setattr(RecordingLLM, "log", calls)
@@ -165,7 +169,7 @@ def test_the_offloaded_state_leaves_before_the_kv_cache_wakes_and_returns_after_
     cfg = grpo.Config()
     state = TrainingState([Sharded()], None, gpu_stand_in, offload=True)
     actor = torch.nn.Linear(2, 2)
-    rollout = grpo.start_engine(cfg, "model", actor, state, resumed_step=4)
+    rollout = start_engine(cfg.rollout, "model", 64, actor, state, resumed_step=4)
     assert calls == ["state to cpu", "sleep 2", "state to cuda", "wake weights", "reload 2 tensors", "state to cpu",
                      "wake kv_cache", "reset prefix cache", "reset encoder cache"]
     calls.clear()
@@ -195,11 +199,11 @@ def test_the_hf_engine_stops_at_every_end_token_and_refuses_image_rows(tmp_path,
     """Qwen's checkpoints list two end tokens in their generation config (<|im_end|> and <|endoftext|>): the hf
     engine stops at either, as vLLM does (here at the one the tokenizer does not name). Image rows are a one-line
     error naming the engine to use."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
     from PIL import Image
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from plumbing.tiny import build_tiny_model
     from rollout import HFRollout, RolloutConfig
-    from tiny import build_tiny_model
 
     path = build_tiny_model("qwen2", tmp_path / "m")
     GenerationConfig(eos_token_id=[2, 0], pad_token_id=0).save_pretrained(path)  # <|im_end|>, <|endoftext|>

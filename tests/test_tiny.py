@@ -1,4 +1,4 @@
-"""tiny.py's vision-language models: each builds, its processor expands an image placeholder into the image's
+"""plumbing/tiny.py's vision-language models: each builds, its processor expands an image placeholder into the image's
 tokens, and the model reads them (the text models are exercised by every other test)."""
 
 import pytest
@@ -6,8 +6,7 @@ import torch
 from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-from fsdp_utils import model_class
-from tiny import VISION_ARCHITECTURES, build_tiny_model
+from plumbing.tiny import VISION_ARCHITECTURES, build_tiny_model, model_class
 from vision import expand_prompt, keep_vision_tower_in_step, vision_inputs
 
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
@@ -43,7 +42,7 @@ def test_the_trainer_expands_images_as_the_processor_does_and_always_runs_the_vi
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     images = [Image.new("RGB", (112, 84), (200, 30, 30)), Image.new("RGB", (56, 56))]
-    item = {"prompt_ids": processor.tokenizer(text, add_special_tokens=False)["input_ids"], "images": images}
+    item = {"prompt_ids": processor.tokenizer(text, add_special_tokens=False).input_ids, "images": images}
     ids, tensors = expand_prompt(processor, item)
     expected = processor(text=[text], images=images, return_tensors="pt")
     assert ids == expected["input_ids"][0].tolist() and torch.equal(tensors["pixel_values"], expected["pixel_values"])

@@ -1,4 +1,4 @@
-"""trackers.py: each tracker offline in a temporary run folder, read back with its own reader where it has one:
+"""plumbing/trackers.py: each tracker offline in a temporary run folder, read back with its own reader where it has one:
 a launch logging steps 1-3, a resume from the checkpoint of step 2 that redoes step 3 with other values, and the
 start-up checks of --trainer.logger."""
 
@@ -8,7 +8,7 @@ import sys
 import psutil
 import pytest
 
-from trackers import COLUMNS, Trackers, check_loggers
+from plumbing.trackers import COLUMNS, Trackers, check_loggers
 
 CONFIG = {"actor": {"lr": 0.001, "betas": [0.9, 0.999]}, "trainer": {"total_steps": 3, "note": "x" * 7000}}
 

@@ -11,13 +11,12 @@ import torch
 import yaml
 from PIL import Image
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import FileSystemReader
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import grpo
 from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, free_port, torchrun
-
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -48,7 +47,8 @@ def test_three_steps_end_to_end(tmp_path):
         assert m["rollout/logprob_diff_max"] < ENGINE_GAP, "vLLM and the trainer disagree: stale engine?"
         assert m["actor/pg_loss"] != 0 and m["train/reward_overall_std"] > 0  # a learning signal, not only the KL
     assert "val/reward_overall" in metrics[1] and "val/reward_overall" in metrics[2]
-    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0  # validation before training
+    # validation before training
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
     assert {json.loads(line)["step"] for line in (run_dir / "generations.jsonl").read_text().splitlines()} == {0, 2, 3}
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
@@ -120,11 +120,12 @@ def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, ar
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     freeze = ["--actor.freeze-vision-tower"] if architecture == "qwen2_vl" else []
     # the R1-V recipe of the CLEVR and GeoQA presets, wired end to end: its template keeps the <image> placeholders
-    r1v = (["--reward.function", "r1v", "--data.format-prompt", "templates/r1v.jinja", "--data.max-prompt-length", "640"]
-           if architecture == "qwen3_vl" else [])
+    r1v = (["--reward.function", "r1v", "--data.format-prompt", "templates/r1v.jinja",
+            "--data.max-prompt-length", "640"] if architecture == "qwen3_vl" else [])
     torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--data.train-files", str(data),
-              "--data.val-files", "", "--data.image-dir", str(tmp_path), "--data.no-shuffle", "--trainer.total-steps", "2",
-              "--trainer.output-dir", str(tmp_path), "--trainer.dist-timeout-minutes", "2", *FAST, *freeze, *r1v],
+              "--data.val-files", "", "--data.image-dir", str(tmp_path), "--data.no-shuffle",
+              "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
+              "--trainer.dist-timeout-minutes", "2", *FAST, *freeze, *r1v],
              timeout=300)
     run = tmp_path / f"tiny-{architecture}_mixed"  # no preset: the run is named after the model and the data
     metrics = read_metrics(run)
@@ -179,7 +180,8 @@ def test_multi_node_on_loopback_without_a_shared_folder(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--rollout.n", "1"], "--rollout.n 1: grpo compares responses within a group"),
     (["--algorithm.use-kl-in-reward"], "pick one place for the KL"),
-    (["--trainer.rollout-batch-size", "30", "--trainer.global-batch-size", "8"], "--trainer.rollout-batch-size 30 must be a multiple"),
+    (["--trainer.rollout-batch-size", "30", "--trainer.global-batch-size", "8"],
+     "--trainer.rollout-batch-size 30 must be a multiple"),
     (["--trainer.total-steps", "0"], "--trainer.total-steps 0 must be at least 1"),  # would write an untrained final/
     (["--actor.max-tokens-per-micro-batch", "100"], "must hold the longest sequence"),
     (["--rollout.engine", "hf", "--actor.offload-while-generating"], "the hf engine generates with the actor itself"),
@@ -205,7 +207,8 @@ def hub_model(preset: Path) -> bool:
 
 # the offline presets (toy_vision is run to the end by test_learning.py, and toy is grpo's job); the others need
 # models from the hub
-PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if not hub_model(p) and p.stem not in ("toy_vision", "toy"))
+PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")
+                 if not hub_model(p) and p.stem not in ("toy_vision", "toy"))
 HUB_PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if hub_model(p))
 
 
@@ -248,4 +251,5 @@ def test_dynamic_sampling_stops_with_a_clear_error_after_the_round_limit(tmp_pat
     round limit is the engine-independent loop's)."""
     with pytest.raises(AssertionError, match="after 2 rounds some rank kept fewer than 4 groups"):
         torchrun(["grpo.py", "dapo", "--algorithm.max-sampling-rounds", "2", "--trainer.total-steps", "1",
-                  "--trainer.output-dir", str(tmp_path), "--trainer.no-val-before-train", "--rollout.engine", "hf", *FAST])
+                  "--trainer.output-dir", str(tmp_path), "--trainer.no-val-before-train", "--rollout.engine", "hf",
+                  *FAST])

@@ -4,7 +4,7 @@ A run folder (`--trainer.output-dir`/`--trainer.experiment-name`):
 
     runs/toy/
       config.json                 the run's config (a resume lists the flags it changes)
-      metrics.jsonl               one line per step; generations.jsonl: validation samples (trackers.py)
+      metrics.jsonl               one line per step; generations.jsonl: validation samples (plumbing/trackers.py)
       checkpoints/
         tracker.json              {"latest": 40, "best": 20, "best_metric": "val/reward_overall", ...} (for people)
         step_000040/
@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 RUN_FILES = ("metrics.jsonl", "generations.jsonl", "checkpoints")  # a folder holding any of these holds a run
 
@@ -58,7 +59,9 @@ def step_folder(run_dir: Path, step: int) -> Path:
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """The committed checkpoints of a run, oldest first (`.tmp` folders are unfinished saves or deletions)."""
     folder = Path(run_dir) / "checkpoints"
-    return sorted(p for p in folder.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
 def read_state(checkpoint: Path) -> dict:
@@ -95,13 +98,13 @@ def find_resume_point(run_dir: Path, resume: str, job: dict) -> Path | None:
     elif resume == "best":
         start = best_checkpoint(checkpoints)
         if start is None:
-            raise SystemExit(f"--trainer.resume best: no checkpoint in {run_dir / 'checkpoints'} has a validation score "
-                             "(a checkpoint gets one when it is saved at a step that validates)")
+            raise SystemExit(f"--trainer.resume best: no checkpoint in {run_dir / 'checkpoints'} has a validation "
+                             "score (a checkpoint gets one when it is saved at a step that validates)")
     else:
         start = Path(resume)
         if not (start / "trainer_state.json").is_file():
-            raise SystemExit(f"--trainer.resume {resume}: not a complete checkpoint folder (no trainer_state.json); give "
-                             "a checkpoints/step_N folder, or auto, best, never")
+            raise SystemExit(f"--trainer.resume {resume}: not a complete checkpoint folder (no trainer_state.json); "
+                             "give a checkpoints/step_N folder, or auto, best, never")
     if holds_a_run and start.resolve().parent != (run_dir / "checkpoints").resolve():
         raise SystemExit(f"{run_dir} holds another run: continue from {start} in a new run folder "
                          f"(--trainer.experiment-name NEW --trainer.resume {start})")
@@ -126,10 +129,12 @@ def saved_job(checkpoint: Path) -> dict | None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, *, model_only: bool,
-                    save_limit: int, best_metric: str) -> Path:
+                    save_limit: int, best_metric: str, say=lambda message: None) -> Path:
     """Write step `step`'s checkpoint (collective: every rank writes its shards and RNG state), commit it by
-    rename, refresh tracker.json, then apply the save limit. `trainer_state` must hold the `score`. A full disk
-    ends the run with one message; the unfinished folder is deleted and the earlier checkpoints stay valid."""
+    rename, refresh tracker.json, then apply the save limit, and `say` where it went and how long it took.
+    `trainer_state` must hold the `score`. A full disk ends the run with one message; the unfinished folder is
+    deleted and the earlier checkpoints stay valid."""
+    start = time.perf_counter()
     final = step_folder(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if dist.get_rank() == 0:
@@ -170,6 +175,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
                     remove(path)
         write_tracker(run_dir)
     dist.barrier()
+    say(f"saved {final} in {time.perf_counter() - start:.1f}s")
     return final
 
 
@@ -255,6 +261,17 @@ def load_checkpoint(checkpoint: Path, model, optimizer) -> dict:
     rng_file = checkpoint / "rng" / f"rank_{dist.get_rank()}.pt"
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))
+    return state
+
+
+def resume(checkpoint: Path, model, optimizer, scheduler, loader, say) -> dict:
+    """load_checkpoint, then the LR scheduler and the data loader's position from its trainer state; says so.
+    Returns the trainer state."""
+    state = load_checkpoint(checkpoint, model, optimizer)
+    scheduler.load_state_dict(state["scheduler"])
+    loader.load_state_dict(state["loader"])
+    say(f"resumed from {checkpoint} (step {state['step']}"
+        + (", model only: AdamW restarts from zero moments)" if state["model_only"] else ")"))
     return state
 
 

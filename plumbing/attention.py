@@ -50,7 +50,8 @@ def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     packed_row = (attention_mask is None and lengths is not None and query.shape[0] == 1
                   and query.shape[2] == key.shape[2] and getattr(module, "is_causal", True))
     if not packed_row:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     gqa = key.shape[1] != query.shape[1]
     # split, not a slice per sequence: the backward of split is one concatenation, while each slice's backward
     # would write its gradient into a zero-filled tensor of the whole row (measured: a third of the backward)

@@ -4,7 +4,7 @@ Each rank generates and scores the groups of its own prompts, so one rank can en
 responses. Every forward and backward is a collective under FSDP2: the other ranks wait for it, step after
 step. Before the update the ranks therefore exchange sequences so each holds about the same number of tokens:
 
-    batch, (old, ref, advantages) = balance_over_ranks(batch, [old, ref, advantages], mini_batch, pad_id)
+    batch = balance_over_ranks(batch, mini_batch, pad_id)   # a logprobs.Batch: every field travels with its rows
 
 Design decisions:
 - After the advantages, which need each group whole on one rank (grpo.py's estimators); the reference and
@@ -17,16 +17,14 @@ Design decisions:
   exchange costs ~0.3 ms a sequence on CPU (pickling, rebuilding), more than a few percent of a short update
   (measured on the default job: 20 ms a step for 64 sequences of ~45 tokens per rank, nothing to gain).
 - Every rank computes the same plan from all ranks' lengths (one small all_gather), then rows travel in one
-  all_to_all of pickled host copies: rows of any width and a vision-language row's image tensors alike.
-  Each rank rebuilds its batch with logprobs.make_batch.
+  all_to_all of pickled host copies (Batch.row: each field cut to its length), rows of any width and a
+  vision-language row's image tensors alike. Each rank rebuilds its batch with Batch.from_rows.
 """
 
 import pickle
 
 import torch
 import torch.distributed as dist
-
-from logprobs import make_batch, sequence_lengths
 
 Row = tuple[int, int]  # (rank, row index on that rank)
 MIN_GAIN = 0.05  # a mini-batch moves when its heaviest rank would hold at least 5% fewer tokens
@@ -55,45 +53,21 @@ def deal(lengths: list[list[int]], mini_batch: int) -> list[list[Row]]:
     return held
 
 
-def balance_over_ranks(batch: dict, tensors: list[torch.Tensor | None], mini_batch: int,
-                       pad_id: int) -> tuple[dict, list[torch.Tensor | None]]:
-    """This rank's share of the batch after balancing (module docstring), and `tensors` ([B, R] each, zero on
-    padding, or None) rearranged with it. Unchanged when no mini-batch gains MIN_GAIN from moving sequences."""
+def balance_over_ranks(batch, mini_batch: int, pad_id: int):
+    """This rank's share of the batch (a logprobs.Batch) after balancing (module docstring), every field moved
+    with its rows. Unchanged when no mini-batch gains MIN_GAIN from moving sequences."""
     rank, world = dist.get_rank(), dist.get_world_size()
     lengths: list[list[int]] = [[] for _ in range(world)]
-    dist.all_gather_object(lengths, sequence_lengths(batch))
+    dist.all_gather_object(lengths, batch.sequence_lengths)
     held = deal(lengths, mini_batch)
     if all(held[r] == [(r, i) for i in range(len(lengths[r]))] for r in range(world)):
-        return batch, tensors
-    host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}  # one copy per tensor
-    host_tensors = [None if t is None else t.cpu() for t in tensors]
-    outgoing = [[] if dest == rank else [(i, _host_row(host, host_tensors, i)) for r, i in held[dest] if r == rank]
-                for dest in range(world)]
-    device = batch["response_mask"].device
+        return batch
+    host = batch.to("cpu")  # one copy per tensor
+    outgoing = [[] if dest == rank else [(i, host.row(i)) for r, i in held[dest] if r == rank] for dest in range(world)]
+    device = batch.input_ids.device
     received = {(source, i): row for source, rows in enumerate(_all_to_all(outgoing, device)) for i, row in rows}
-    received.update({(rank, i): _host_row(host, host_tensors, i) for r, i in held[rank] if r == rank})  # kept here
-    rows = [received[key] for key in held[rank]]
-    new = make_batch([r["prompt"] for r in rows], [r["response"] for r in rows], pad_id,
-                     [r["rollout_logprobs"] for r in rows] if "rollout_logprobs" in batch else None, device,
-                     [r["vision"] for r in rows] if "vision" in batch else None)
-    width = new["response_mask"].shape[1]
-    moved = [None if t is None else torch.stack([torch.nn.functional.pad(r["tensors"][k], (0, width - len(r["response"])))
-                                                 for r in rows]).to(device)
-             for k, t in enumerate(tensors)]
-    return new, moved
-
-
-def _host_row(batch: dict, tensors: list[torch.Tensor | None], i: int) -> dict:
-    """Row i of a host batch and of host `tensors`, cut to its lengths. The cuts are cloned: pickling a view
-    would send the whole tensor it views."""
-    p, r = batch["prompt_lengths"][i], batch["response_lengths"][i]
-    ids = batch["input_ids"][i, : p + r].tolist()
-    row = {"prompt": ids[:p], "response": ids[p:], "tensors": [None if t is None else t[i, :r].clone() for t in tensors]}
-    if "rollout_logprobs" in batch:
-        row["rollout_logprobs"] = batch["rollout_logprobs"][i, :r].tolist()
-    if "vision" in batch:
-        row["vision"] = batch["vision"][i]
-    return row
+    received.update({(rank, i): host.row(i) for r, i in held[rank] if r == rank})  # kept here
+    return type(batch).from_rows([received[key] for key in held[rank]], pad_id, device)
 
 
 def _all_to_all(outgoing: list, device: torch.device) -> list:

@@ -265,8 +265,10 @@ class Trackers:
         run = RunInfo(run_dir, config, project, experiment, resume_step)
         self.trackers = [BACKENDS[name](run) for name in dict.fromkeys(names) if name != "console"]
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Scalars of one training step (validation before training: step 0), keys like "train/reward_overall"."""
+    def log(self, metrics: dict[str, float], step: int, samples: list[dict] = ()) -> None:
+        """Scalars of one training step (validation before training: step 0), keys like "train/reward_overall",
+        after the step's validation samples if it has any (log_generations)."""
+        self.log_generations(samples, step)
         for tracker in self.trackers:
             tracker.log(metrics, step)
 

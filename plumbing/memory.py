@@ -1,7 +1,7 @@
 """A memory check before anything loads: will this run fit on these GPUs?
 
 Size a run by hand (prints the per-GPU table; exits with the refusal message if it does not fit):
-    python memory.py Qwen/Qwen2.5-7B-Instruct --gpus 8 --gpu-gib 80 --micro-batch-size 4 --seq-len 2048
+    python -m plumbing.memory Qwen/Qwen2.5-7B-Instruct --gpus 8 --gpu-gib 80 --micro-batch-size 4 --seq-len 2048
 
 What is estimated, per GPU: P parameters, W GPUs, T tokens per micro-batch (micro_batch_size x max_seq_len, or
 the token budget --actor.max-tokens-per-micro-batch), L layers, h hidden size, I MLP width, V vocabulary,
@@ -14,7 +14,8 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
     LoRA: 2P/W, the frozen bf16 base, in every phase, and no reference: the base with its adapters off is one)
     vLLM: its whole budget, gpu_memory_utilization x GPU memory, on top of what the process holds (vLLM 0.32
       measures from its own start); inside it: weights 2P/tp, its profiling run's peak, CUDA graphs, KV cache;
-    or the HF engine: the model gathered in bf16 (2P) + the KV cache of one micro-batch (T x L x 2 x kv_heads x head_dim x 2)
+    or the HF engine: the model gathered in bf16 (2P) + the KV cache of one micro-batch
+      (T x L x 2 x kv_heads x head_dim x 2)
     overhead: 2 GiB (CUDA context, NCCL buffers, allocator fragmentation)
 - sync (vLLM engine only: its weights are awake and reloaded, its KV cache not yet; rollout.sync_weights):
     actor and reference as in training (the state leaves, when offloaded, only before the KV cache wakes)
@@ -31,7 +32,7 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
       (none for LoRA's frozen base)
     activations: T x L x (17h + 8I) bytes; with gradient checkpointing T x (2hL + 17h + 8I) (every layer's
       input, plus one layer's activations while it is recomputed)
-    logits for the log-probs: one chunk of c = min(T, logprobs.CHUNK_TOKENS) tokens, c x V x 16 bytes (bf16
+    logits for the log-probs: one chunk of c = min(T, CHUNK_TOKENS) tokens, c x V x 16 bytes (bf16
       logits, their fp32 copy, the log-softmax's fp32 intermediate, the fp32 and bf16 gradients): the output head
       runs a chunk at a time, never on all T tokens
     vLLM's CUDA graphs (1 GiB), overhead: 2 GiB
@@ -62,10 +63,10 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from fsdp_utils import model_class
-from logprobs import CHUNK_TOKENS
+from plumbing.tiny import model_class
 
 GiB = 2**30
+CHUNK_TOKENS = 1024  # response tokens per output-head chunk (logprobs.py): 1024 x 152k vocabulary x 4 bytes = 0.6 GB
 OVERHEAD = "CUDA context, NCCL, fragmentation"
 REFERENCE = "reference: bf16 params"
 VLLM = "vLLM: weights + KV cache budget"
@@ -142,14 +143,19 @@ class MemoryEstimate:
     def table(self) -> str:
         lines = [f"per-GPU memory estimate, GiB (GPU: {gib(self.gpu_bytes)} GiB)"]
         for phase, items, total in self.phases():
-            lines.append(f"{phase + ' phase':<44}{gib(total):>7}  {'fits' if total <= self.gpu_bytes else 'DOES NOT FIT'}")
+            fits = "fits" if total <= self.gpu_bytes else "DOES NOT FIT"
+            lines.append(f"{phase + ' phase':<44}{gib(total):>7}  {fits}")
             lines += [f"  {name:<42}{gib(size):>7}" for name, size in items.items()]
         if self.vllm_needs:
-            lines.append(f"vLLM needs {gib(self.vllm_needs)} of its {gib(self.rollout[VLLM])} budget (weights, profiling, "
-                         "CUDA graphs, 1 GiB KV cache)")
+            lines.append(f"vLLM needs {gib(self.vllm_needs)} of its {gib(self.rollout[VLLM])} budget (weights, "
+                         "profiling, CUDA graphs, 1 GiB KV cache)")
         return "\n".join(lines)
 
     __str__ = table
+
+    def summary(self) -> str:
+        return (f"memory estimate per GPU (plumbing/memory.py): rollout {self.rollout_total / GiB:.1f} GiB, training "
+                f"{self.training_total / GiB:.1f} GiB, of {self.gpu_bytes / GiB:.1f} GiB")
 
 
 def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, micro_batch_size: int, max_seq_len: int,
@@ -181,7 +187,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
         vllm_needs = 2 * P // tensor_parallel_size + profiling + graphs.get(VLLM_GRAPHS, 0) + GiB
     elif engine == "hf":
         heads = text.num_attention_heads
-        kv_heads, head_dim = getattr(text, "num_key_value_heads", None) or heads, getattr(text, "head_dim", None) or h // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or h // heads
         engine_items = {"HF engine: gathered bf16 params": 2 * P,
                         HF_KV_CACHE: T * L * 2 * kv_heads * head_dim * 2}  # K and V, bf16
         vllm_needs = 0
@@ -205,7 +212,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
 
 def _advice(phase: str, items: dict[str, int], e: MemoryEstimate, options: dict) -> list[str]:
     """The flags that shrink this phase, read off what the phase holds and leaving out those already set."""
-    advice = ["more GPUs, over which the actor is sharded (`torchrun --nproc_per_node N`, `--nnodes` for more machines)"]
+    advice = ["more GPUs, over which the actor is sharded "
+              "(`torchrun --nproc_per_node N`, `--nnodes` for more machines)"]
     if VLLM in items:
         advice.append(f"lower `--rollout.gpu-memory-utilization` (vLLM's budget; it needs at least "
                       f"{e.vllm_needs / e.gpu_bytes:.2f} for its weights and 1 GiB of KV cache)")
@@ -221,7 +229,8 @@ def _advice(phase: str, items: dict[str, int], e: MemoryEstimate, options: dict)
     if phase == "rollout" and items.get(ACTOR_STATE):
         advice.append("`--actor.offload-while-generating` (the actor, reference and AdamW states wait in host memory)")
     if not options.get("lora"):
-        advice.append("`--lora.rank 64` (LoRA: the frozen base in bf16, no gradients or moments for it, no reference model)")
+        advice.append("`--lora.rank 64` (LoRA: the frozen base in bf16, no gradients or moments for it, "
+                      "no reference model)")
         if options.get("moment_bytes", 8) > 4:
             advice.append("`--actor.optimizer adamw_bf16` (bf16 AdamW moments: 4 bytes per parameter less)")
     if not options.get("cpu_offload"):
@@ -241,14 +250,15 @@ def check_memory(model_config, **options) -> MemoryEstimate:
     problems = []
     if e.vllm_needs > e.rollout.get(VLLM, 0):
         problems.append(f"vLLM cannot start: its budget of {gib(e.rollout[VLLM])} GiB cannot hold its bf16 weights, "
-                        f"profiling peak, CUDA graphs and 1 GiB of KV cache ({gib(e.vllm_needs)} GiB). Raise `--rollout.gpu-memory-utilization` (to at "
-                        f"least {e.vllm_needs / e.gpu_bytes:.2f}) or split the engine's weights over GPUs with "
-                        "`--rollout.tensor-parallel-size`.")
+                        f"profiling peak, CUDA graphs and 1 GiB of KV cache ({gib(e.vllm_needs)} GiB). "
+                        f"Raise `--rollout.gpu-memory-utilization` (to at least {e.vllm_needs / e.gpu_bytes:.2f}) "
+                        "or split the engine's weights over GPUs with `--rollout.tensor-parallel-size`.")
     for phase, items, total in e.phases():
         if total > e.gpu_bytes:
             biggest = sorted(items.items(), key=lambda item: -item[1])[:3]
-            problems.append(f"the {phase} phase does not fit: ~{gib(total)} GiB per GPU, the GPU has {gib(e.gpu_bytes)} GiB "
-                            f"(biggest: {'; '.join(f'{name} {gib(size)} GiB' for name, size in biggest)}). To fit, any of:\n"
+            biggest_text = "; ".join(f"{name} {gib(size)} GiB" for name, size in biggest)
+            problems.append(f"the {phase} phase does not fit: ~{gib(total)} GiB per GPU, the GPU has "
+                            f"{gib(e.gpu_bytes)} GiB (biggest: {biggest_text}). To fit, any of:\n"
                             + "".join(f"    {advice}\n" for advice in _advice(phase, items, e, options)))
     if problems:
         raise SystemExit("this run does not fit in GPU memory (an estimate, made before loading anything):\n- "
@@ -314,8 +324,9 @@ def hardware_table(gpu_gib: float = 80.0) -> str:
     for name, setup in SETUPS.items():
         cells = []
         for h, inner, layers, heads, kv, vocab, tied in QWEN2_5_SHAPES.values():
-            config = Qwen2Config(hidden_size=h, intermediate_size=inner, num_hidden_layers=layers, num_attention_heads=heads,
-                                 num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied)
+            config = Qwen2Config(hidden_size=h, intermediate_size=inner, num_hidden_layers=layers,
+                                 num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                                 tie_word_embeddings=tied)
             need = gpus_needed(config, int(gpu_gib * GiB), kl=True, micro_batch_size=1, max_seq_len=8192,
                                max_tokens_per_micro_batch=8192, gradient_checkpointing=True, **setup)
             cells.append(f"{need[0]} (TP {need[1]})" if need else "> 256")
@@ -330,7 +341,8 @@ def main() -> None:
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU, GiB")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="--actor.micro-batch-size")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0, help="--actor.max-tokens-per-micro-batch")
-    parser.add_argument("--seq-len", type=int, default=2048, help="--data.max-prompt-length + --rollout.max-response-length")
+    parser.add_argument("--seq-len", type=int, default=2048,
+                        help="--data.max-prompt-length + --rollout.max-response-length")
     parser.add_argument("--no-kl", action="store_true", help="no KL, so no reference model")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
@@ -340,7 +352,8 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["adamw", "adamw_bf16"], default="adamw", help="--actor.optimizer")
     parser.add_argument("--fsdp-cpu-offload", action="store_true")
     parser.add_argument("--offload-while-generating", action="store_true")
-    parser.add_argument("--hardware-table", action="store_true", help="print the README's table of GPUs per Qwen2.5 size")
+    parser.add_argument("--hardware-table", action="store_true",
+                        help="print the README's table of GPUs per Qwen2.5 size")
     args = parser.parse_args()
     if args.hardware_table:
         print(hardware_table(args.gpu_gib))
@@ -350,8 +363,10 @@ def main() -> None:
     print(check_memory(AutoConfig.from_pretrained(args.model), world_size=args.gpus, gpu_bytes=int(args.gpu_gib * GiB),
                        kl=not args.no_kl, micro_batch_size=args.micro_batch_size, max_seq_len=args.seq_len,
                        gradient_checkpointing=args.gradient_checkpointing, engine=args.engine,
-                       gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
-                       max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, **precision(args.dtype, args.optimizer),
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       tensor_parallel_size=args.tensor_parallel_size,
+                       max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                       **precision(args.dtype, args.optimizer),
                        cpu_offload=args.fsdp_cpu_offload, offload_while_generating=args.offload_while_generating))
 
 

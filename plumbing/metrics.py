@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from fsdp_utils import all_reduce
+from plumbing.collectives import all_reduce, to_floats
 
 
 class PhaseTimer:
@@ -34,7 +34,7 @@ class PhaseTimer:
         self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
 
 
-def logprob_metrics(batch: dict, old_logprobs, ref_logprobs) -> dict[str, torch.Tensor]:
+def logprob_metrics(batch) -> dict[str, torch.Tensor]:
     """The engine-vs-trainer gap on the sampled tokens (a stale or mis-synced engine shows up here), the
     entropy proxy and the k1 KL to the reference, over all ranks.
 
@@ -42,8 +42,8 @@ def logprob_metrics(batch: dict, old_logprobs, ref_logprobs) -> dict[str, torch.
     log-probs); the reference logs it from the log-probs of the update, which differ after the first
     optimizer step of a batch.
     """
-    mask = batch["response_mask"]
-    diff = (old_logprobs - batch["rollout_logprobs"]) * mask  # [B, R]
+    mask, old_logprobs, ref_logprobs = batch.response_mask, batch.old_logprobs, batch.ref_logprobs  # a logprobs.Batch
+    diff = (old_logprobs - batch.rollout_logprobs) * mask  # [B, R]
     kl = ((old_logprobs - ref_logprobs) * mask).sum() if ref_logprobs is not None else 0.0
     sums = all_reduce({"tokens": mask.sum(), "gap": diff.abs().sum(), "ratio": (diff.clamp(-20, 20).exp() * mask).sum(),
                        "entropy": (-old_logprobs * mask).sum(), "kl": kl}, mask.device)
@@ -64,8 +64,10 @@ def score_metrics(prefix: str, groups: list, device: torch.device) -> dict[str, 
         sums[f"reward {key}"], sums[f"reward {key}^2"] = sum(s[key] for s in scores), sum(s[key] ** 2 for s in scores)
     totals = all_reduce(sums, device)
     count = totals["count"].clamp(min=1)
-    metrics = {f"{prefix}/response_length_mean": totals["length"] / count, f"{prefix}/clip_ratio": totals["truncated"] / count,
-               f"{prefix}/response_length_max": all_reduce({"max": max(lengths, default=0)}, device, dist.ReduceOp.MAX)["max"]}
+    max_length = all_reduce({"max": max(lengths, default=0)}, device, dist.ReduceOp.MAX)["max"]
+    metrics = {f"{prefix}/response_length_mean": totals["length"] / count,
+               f"{prefix}/clip_ratio": totals["truncated"] / count,
+               f"{prefix}/response_length_max": max_length}
     for key in keys:
         mean = totals[f"reward {key}"] / count
         metrics[f"{prefix}/reward_{key}"] = mean
@@ -83,10 +85,10 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     return {"perf/peak_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # Linux reports KiB
 
 
-def step_line(step: int, metrics: dict[str, float]) -> str:
-    return (f"step {step:>4} | reward {metrics['train/reward_overall']:.3f} | len {metrics['train/response_length_mean']:.1f} "
-            f"| kl {metrics['actor/kl_ref']:.4f} | grad {metrics['actor/grad_norm']:.3f} "
-            f"| engine gap {metrics['rollout/logprob_diff_mean']:.1e} | {metrics['timing/step']:.2f}s"
-            + (f" | val {metrics['val/reward_overall']:.3f}" if "val/reward_overall" in metrics else "")
-            + (f" | {metrics['actor/skipped_steps']:.0f} optimizer step(s) skipped: non-finite gradient"
-               if metrics["actor/skipped_steps"] else ""))
+def step_totals(metrics: dict, timer: PhaseTimer, tokens: int, device: torch.device) -> dict[str, float]:
+    """A step's metrics with its phase timings, its throughput (`tokens`: this rank's prompt and response tokens)
+    and the peak memory of any rank, copied to the host: the one device-to-host copy of the step's numbers."""
+    step_time = sum(timer.seconds.values())
+    tokens = all_reduce({"tokens": tokens}, device)["tokens"]
+    return to_floats({**metrics, **timer.seconds, "timing/step": step_time, "perf/tokens_per_s": tokens / step_time,
+                      **all_reduce(peak_memory(device), device, dist.ReduceOp.MAX)})

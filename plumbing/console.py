@@ -12,8 +12,8 @@ of the default job. By default this module hides them:
 `--trainer.verbose` (or GRPO_VERBOSE=1, which also shows errors' tracebacks) shows everything again.
 
 Errors: a mistake of the user's (a bad flag, a missing dataset column, a reward function that raises:
-the error types in USER_ERRORS, whose messages this project writes to say what to do) ends the process
-with that message on one line and exit code 1, printed once however many ranks hit it; anything else is a
+the error types in USER_ERRORS and those the caller adds, whose messages this project writes to say what to do) ends the
+process with that message on one line and exit code 1, printed once however many ranks hit it; anything else is a
 bug and keeps its traceback. torchrun still adds its own "ChildFailedError" banner when a rank exits with an
 error (it cannot be turned off from inside the workers); its "Root Cause" shows the same message.
 A Ctrl-C (SIGINT to every rank and to torchrun) is one line too, saying where the run stands; torchrun prints
@@ -36,9 +36,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from rewards import RewardError
-
-USER_ERRORS = (SystemExit, RewardError, ValueError, KeyError, FileNotFoundError)
+USER_ERRORS = (SystemExit, ValueError, KeyError, FileNotFoundError)  # and a caller's own (run's user_errors)
 
 
 def env_verbose() -> bool:
@@ -73,9 +71,10 @@ def parse_quietly(parse: Callable, argv: list[str]):
         return parse(argv)
 
 
-def run(main: Callable, *args) -> None:
-    """main(*args), with user errors reported as one line, once over all ranks, and exit code 1; a Ctrl-C as one
-    line too (what on_interrupt registered: where the run stopped, how to resume), exit code 130.
+def run(main: Callable, *args, user_errors: tuple[type[Exception], ...] = ()) -> None:
+    """main(*args), with user errors (USER_ERRORS and `user_errors`) reported as one line, once over all ranks, and
+    exit code 1; a Ctrl-C as one line too (what on_interrupt registered: where the run stopped, how to resume), exit
+    code 130.
 
     Every way out skips the interpreter's teardown (os._exit), a finished run's too, once its output is flushed:
     with torch 2.13 on CPU that teardown aborted a rank now and then after all work was done ("terminate called
@@ -93,7 +92,7 @@ def run(main: Callable, *args) -> None:
         if first_to_report("interrupted"):
             print("stopped (Ctrl-C)" + "".join(note() for note in INTERRUPT_NOTES), file=sys.stderr, flush=True)
         os._exit(130)
-    except USER_ERRORS as error:
+    except USER_ERRORS + user_errors as error:
         if env_verbose() or (isinstance(error, SystemExit) and not isinstance(error.code, str)):
             raise  # a plain exit (tyro's --help, a parse error already printed) or a wanted traceback
         message = str(error.code if isinstance(error, SystemExit) else error if isinstance(error, UnicodeError)
@@ -108,6 +107,67 @@ def run(main: Callable, *args) -> None:
 
 
 INTERRUPT_NOTES: list[Callable[[], str]] = []  # what the line of a Ctrl-C adds (a run: where it stands)
+
+
+class RunProgress:
+    """The training loop at the terminal (rank 0's console): a progress bar, a line per step, the run's summary.
+
+        with RunProgress(console, total_steps, first_step, step_lines=True) as progress:
+            ...; progress.step(step, metrics); progress.print("saved ...")
+        progress.summary(run_dir)
+    """
+
+    def __init__(self, console, total_steps: int, first_step: int, step_lines: bool):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.step_lines, self.history, self.start = step_lines, [], time.perf_counter()
+        self.bar = Progress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False)
+        self.task = self.bar.add_task("train", total=total_steps, completed=first_step - 1)
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def print(self, message: str) -> None:
+        self.bar.console.print(message)
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        self.history.append({"step": step, **metrics})
+        if self.step_lines:
+            self.print(step_line(step, metrics))
+        self.bar.advance(self.task)
+
+    def summary(self, run_dir) -> None:
+        if not self.history:
+            return
+        first, last = self.history[0], self.history[-5:]
+        elapsed = time.perf_counter() - self.start
+        last_mean = sum(h["train/reward_overall"] for h in last) / len(last)
+        self.print(f"done: steps {first['step']}-{self.history[-1]['step']} in {elapsed:.0f}s; "
+                   f"train reward {first['train/reward_overall']:.3f} (step {first['step']}) -> "
+                   f"{last_mean:.3f} (mean of the last {len(last)} steps); "
+                   f"run folder {run_dir}")
+
+
+def step_line(step: int, metrics: dict[str, float]) -> str:
+    return (f"step {step:>4} | reward {metrics['train/reward_overall']:.3f} "
+            f"| len {metrics['train/response_length_mean']:.1f} "
+            f"| kl {metrics['actor/kl_ref']:.4f} | grad {metrics['actor/grad_norm']:.3f} "
+            f"| engine gap {metrics['rollout/logprob_diff_mean']:.1e} | {metrics['timing/step']:.2f}s"
+            + (f" | val {metrics['val/reward_overall']:.3f}" if "val/reward_overall" in metrics else "")
+            + (f" | {metrics['actor/skipped_steps']:.0f} optimizer step(s) skipped: non-finite gradient"
+               if metrics["actor/skipped_steps"] else ""))
 
 
 def did_you_mean(name: str, choices) -> str:

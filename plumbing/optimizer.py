@@ -1,7 +1,7 @@
 """The optimizer and its learning-rate schedule: AdamW with fp32 or bf16 moments; warm-up, then constant or cosine.
 
     optimizer = build_optimizer(model.parameters(), "adamw_bf16", lr=1e-6, betas=(0.9, 0.999), weight_decay=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup_steps, "cosine", 0.1, total_steps))
+    scheduler = build_scheduler(optimizer, warmup_steps, "cosine", min_lr_ratio=0.1, total_steps=total_steps)
 
 Design decisions:
 - `adamw` is torch's AdamW: its moments have the parameters' dtype (fp32 master weights: 8 bytes of state
@@ -18,6 +18,7 @@ Design decisions:
 """
 
 import math
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -74,7 +75,8 @@ class AdamWBF16States(torch.optim.Optimizer):
                 _local(state["exp_avg_sq"]).copy_(exp_avg_sq)
                 denominator = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(eps)
                 weights = _local(param)
-                updated = weights.float().mul_(1 - lr * decay).addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1**step))
+                step_size = lr / (1 - beta1**step)
+                updated = weights.float().mul_(1 - lr * decay).addcdiv_(exp_avg, denominator, value=-step_size)
                 weights.copy_(updated)
 
 
@@ -85,6 +87,14 @@ def build_optimizer(params: Iterable, name: str, lr: float, betas: tuple[float, 
                     weight_decay: float) -> torch.optim.Optimizer:
     """The optimizer called `name` (a key of OPTIMIZERS) over the trainable `params`."""
     return OPTIMIZERS[name]([p for p in params if p.requires_grad], lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, schedule: str, min_lr_ratio: float,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR scheduler of lr_lambda's factors. A non-finite gradient skips optimizer.step() on purpose
+    (grpo.update_policy), so torch's warning about a scheduler step before an optimizer step is silenced."""
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup_steps, schedule, min_lr_ratio, total_steps))
 
 
 def lr_lambda(warmup_steps: int, schedule: str, min_lr_ratio: float, total_steps: int):

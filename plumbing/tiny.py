@@ -1,4 +1,5 @@
-"""Tiny random-weight models and a character-level tokenizer, built in code (no hub needed).
+"""Tiny random-weight models and a character-level tokenizer, built in code (no hub needed), and the
+transformers class that builds any checkpoint's model (`model_class`).
 
 The default job, the tests and the benchmark use these so that everything runs offline on a CPU.
 `--actor.model-path tiny:qwen2` (also `tiny:qwen3`, `tiny:llama`, and the vision-language `tiny:qwen2_vl`,
@@ -8,8 +9,9 @@ processor for the vision-language ones), so transformers, vLLM and peft load it 
 Design decisions:
 - The tokenizer is byte-level BPE like Qwen's (transformers 5 rebuilds Qwen's byte-level pipeline
   around any tokenizer.json of a qwen2 model anyway), but with no merges and only the printable ASCII
-  bytes: one token per character, plus Qwen's special tokens and chat template. A ~110-token vocabulary keeps the built-in task learnable
-  from random weights within minutes: the right answer starts out with probability ~1/100, not 1/150k.
+  bytes: one token per character, plus Qwen's special tokens and chat template. A ~110-token vocabulary
+  keeps the built-in task learnable from random weights within minutes: the right answer starts out with
+  probability ~1/100, not 1/150k.
 - head_dim is 64 because vLLM's CPU attention rejects 16 (vLLM 0.32: "Unsupported CPU attention
   configuration"); hidden 128, 2 heads, 1 KV head, 2 layers: about 0.3M parameters.
 - `resolve_model` builds a `tiny:*` model on every node at start-up (nodes need not share a filesystem).
@@ -29,6 +31,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -51,7 +55,7 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
-from checkpoints import readable_like_other_files
+from plumbing.checkpoints import readable_like_other_files
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>",
                   "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -89,6 +93,12 @@ VISION_ARCHITECTURES = {
 }
 
 
+def model_class(config):
+    """The transformers Auto class of a checkpoint: image-text-to-text for vision-language models (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL: a config with a vision_config), causal LM otherwise."""
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+
+
 def _byte_level(character: str) -> str:
     """The byte-level BPE alphabet: bytes 33..126 are themselves, bytes below 33 are chr(256 + byte)."""
     return character if ord(character) > 32 else chr(256 + ord(character))
@@ -96,7 +106,8 @@ def _byte_level(character: str) -> str:
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Character-level tokenizer: every printable ASCII character is one token; others map to <unk>."""
-    characters = [c for c in string.printable if c not in "\r\x0b\x0c"]  # 97: letters, digits, punctuation, space, \t, \n
+    # 97: letters, digits, punctuation, space, \t, \n
+    characters = [c for c in string.printable if c not in "\r\x0b\x0c"]
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + [_byte_level(c) for c in characters])}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -121,7 +132,8 @@ def build_tiny_model(architecture: str, path: str | Path, seed: int = 0, **sizes
     tokenizer = build_tokenizer()
     fields = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, bos_token_id=None,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", **extra)
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+                  **extra)
     config = config_cls(**{**fields, **sizes})
     torch.manual_seed(seed)
     model = model_cls(config)

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-from checkpoints import complete_checkpoints, load_model
-from console import quiet_libraries, run
 from fsdp_utils import check_output_folder, init_distributed, load_sharded_model, save_hf_model
 from lora import LoRAConfig
-from tiny import resolve_model
+from plumbing.checkpoints import complete_checkpoints, load_model
+from plumbing.console import quiet_libraries, run
+from plumbing.tiny import resolve_model
 from vision import is_vision_language
 
 
@@ -58,7 +58,8 @@ def merge(source: str | Path, out: str | Path, device: torch.device, overwrite: 
                                lora=lora)
     load_model(checkpoint, model)
     vision = is_vision_language(AutoConfig.from_pretrained(model_path))
-    save_hf_model(model, (AutoProcessor if vision else AutoTokenizer).from_pretrained(model_path), out, device, overwrite,
+    processor = (AutoProcessor if vision else AutoTokenizer).from_pretrained(model_path)
+    save_hf_model(model, processor, out, device, overwrite,
                   "the merger's output folder", "free some space and run the merger again")
     return checkpoint
 

@@ -1,0 +1,117 @@
+"""The command line: a preset (a YAML file over the defaults), tyro flags over it, and the checks that fail
+before anything is loaded, naming the flag to change.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import tyro
+import yaml
+
+from plumbing.console import did_you_mean
+
+
+def parse_command_line(config_class, argv: list[str], presets_dir: Path, prog: str, description: str):
+    """(config, preset name or None) from `[PRESET] [--flags]`; `description`'s {presets} lists the presets."""
+    default, preset = config_class(), None
+    presets = sorted(p.stem for p in presets_dir.glob("*.yaml"))
+    if argv and not argv[0].startswith("-"):
+        name, argv = argv[0], argv[1:]
+        path = Path(name) if name.endswith((".yaml", ".yml")) else presets_dir / f"{name}.yaml"
+        if not path.exists():
+            raise SystemExit(f"unknown preset {name!r}{did_you_mean(name, presets)}: choose one of {presets} or give "
+                             "a path to a .yaml file")
+        default, preset = override(default, yaml.safe_load(path.read_text()) or {}, str(path)), path.stem
+    cfg = tyro.cli(config_class, default=default, args=argv, prog=prog,
+                   description=description.format(presets=", ".join(presets)))
+    return cfg, preset
+
+
+def default_run_name(model_path: str, data_path: str) -> str:
+    """A run's name without a preset: `<model>_<data>` (tiny-qwen2_toy, Qwen2.5-7B-Instruct_math12k), the same for
+    the same job, so that launching it again resumes it, and another for another model or dataset."""
+    model = model_path.replace("tiny:", "tiny-").rstrip("/").rsplit("/", 1)[-1]
+    return f"{model}_{Path(data_path.rstrip('/')).stem}"
+
+
+def override(config, changes: dict, where: str):
+    """Recursively replace dataclass fields with a preset's values, rejecting unknown keys."""
+    updates = {}
+    for key, value in changes.items():
+        if not hasattr(config, key):
+            keys = [f.name for f in dataclasses.fields(config)]
+            raise SystemExit(f"{where}: unknown key {key!r}{did_you_mean(key, keys)}; valid keys: {keys}")
+        current = getattr(config, key)
+        if dataclasses.is_dataclass(current):
+            value = override(current, value, f"{where}:{key}")
+        elif isinstance(current, tuple) and isinstance(value, list):  # YAML has lists; the config's fields are tuples
+            value = tuple(value)
+        updates[key] = value
+    return dataclasses.replace(config, **updates)
+
+
+def check_flags(cfg, world_size: int, estimators: dict, losses: dict, advantage_inputs) -> None:
+    """Fail before anything is loaded, naming the flag to change. `cfg`: grpo.Config; `estimators` and `losses`: its
+    registries; `advantage_inputs`: grpo.AdvantageInputs, for a dry run of the estimator."""
+    t, n, r, a = cfg.trainer, cfg.rollout.n, cfg.rollout, cfg.actor
+    bounds = {"trainer.total-steps": (t.total_steps, 1), "trainer.rollout-batch-size": (t.rollout_batch_size, 1),
+              "trainer.global-batch-size": (t.global_batch_size, 1), "trainer.ppo-epochs": (t.ppo_epochs, 1),
+              "trainer.save-freq": (t.save_freq, 0), "trainer.val-freq": (t.val_freq, 0),
+              "trainer.save-limit": (t.save_limit, 0), "actor.lr": (a.lr, 0), "actor.warmup-steps": (a.warmup_steps, 0),
+              "actor.micro-batch-size": (a.micro_batch_size, 1), "rollout.n": (n, 1), "rollout.val-n": (r.val_n, 1),
+              "rollout.max-response-length": (r.max_response_length, 1),
+              "rollout.val-temperature": (r.val_temperature, 0),
+              "data.max-prompt-length": (cfg.data.max_prompt_length, 1),
+              "algorithm.kl-coef": (cfg.algorithm.kl_coef, 0)}
+    problems = [f"--{flag} {value} must be at least {low}" for flag, (value, low) in bounds.items() if value < low]
+    if r.temperature <= 0:
+        problems.append(f"--rollout.temperature {r.temperature} must be above 0: the trainer divides its logits by it, "
+                        "and at 0 the n responses to a prompt are one and the same "
+                        "(--rollout.val-temperature may be 0)")
+    if not (0 < r.top_p <= 1 and 0 < r.val_top_p <= 1):
+        problems.append(f"--rollout.top-p {r.top_p} and --rollout.val-top-p {r.val_top_p} must be in (0, 1]")
+    if problems:  # the checks below divide by these numbers
+        raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
+    if t.rollout_batch_size % world_size:
+        problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} "
+                        f"must be divisible by the world size {world_size}")
+    if t.rollout_batch_size % t.global_batch_size:
+        problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} "
+                        f"must be a multiple of --trainer.global-batch-size {t.global_batch_size}")
+    if (t.global_batch_size * n) % world_size:
+        problems.append(f"--trainer.global-batch-size x --rollout.n ({t.global_batch_size} x {n}) "
+                        f"must be divisible by the world size {world_size}")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if 0 < cfg.actor.max_tokens_per_micro_batch < longest:
+        problems.append(f"--actor.max-tokens-per-micro-batch {cfg.actor.max_tokens_per_micro_batch} must hold the "
+                        "longest sequence, --data.max-prompt-length + --rollout.max-response-length = "
+                        f"{longest} tokens")
+    if cfg.actor.offload_while_generating and cfg.rollout.engine == "hf":
+        problems.append("--actor.offload-while-generating: the hf engine generates with the actor itself; use "
+                        "--rollout.engine vllm or drop the flag")
+    algo = cfg.algorithm
+    if algo.adv_estimator not in estimators:
+        problems.append(f"--algorithm.adv-estimator {algo.adv_estimator!r}"
+                        f"{did_you_mean(algo.adv_estimator, estimators)}: choose one of {sorted(estimators)}")
+    else:  # a dry run on one group of n zero rewards finds what an estimator needs of n
+        zeros = torch.zeros(n, 1)
+        try:
+            estimators[algo.adv_estimator](advantage_inputs(zeros, zeros + 1, n, torch.zeros(1)), algo)
+        except ValueError as error:
+            problems.append(f"--rollout.n {n}: {algo.adv_estimator} compares responses within a group ({error})")
+    if algo.loss_type not in losses:
+        problems.append(f"--algorithm.loss-type {algo.loss_type!r}{did_you_mean(algo.loss_type, losses)}: "
+                        f"choose one of {sorted(losses)}")
+    if algo.use_kl_loss and algo.use_kl_in_reward:
+        problems.append("--algorithm.use-kl-loss and --algorithm.use-kl-in-reward: pick one place for the KL")
+    if algo.online_filtering and algo.max_sampling_rounds < 1:
+        problems.append("--algorithm.max-sampling-rounds must be at least 1")
+    if cfg.rollout.engine == "hf" and cfg.rollout.tensor_parallel_size != 1:
+        problems.append("--rollout.tensor-parallel-size applies to the vllm engine; the hf engine generates with the "
+                        "trainer's own model on each rank: drop the flag or use --rollout.engine vllm")
+    if world_size % cfg.rollout.tensor_parallel_size:
+        problems.append(f"--rollout.tensor-parallel-size {cfg.rollout.tensor_parallel_size} "
+                        f"must divide the world size {world_size}")
+    if problems:
+        raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))

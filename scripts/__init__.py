@@ -1,0 +1,1 @@
+"""Commands run on a finished (or running) run: `python -m scripts.merge`, `python -m scripts.plot`."""
