@@ -82,9 +82,9 @@ def check_model_source(model_path: str, given: str, longest_sequence: int) -> No
     whose output head transforms its logits (final soft-capping, scaling: LOGIT_TRANSFORMS), which the trainer's
     head, run outside the model's forward, would skip.
 
-    A hub id is looked up once, with a short timeout: offline, transformers would retry every file for about
-    20 s before failing. Offline with a cached copy, every later load is told to use the cache. `given`: the
-    flag's value, for the messages (`tiny:qwen2` for the folder it was built into).
+    A hub id is looked up once, with a short timeout: offline, transformers would retry every file for a long
+    while before failing (docs/running.md). Offline with a cached copy, every later load is told to use the
+    cache. `given`: the flag's value, for the messages (`tiny:qwen2` for the folder it was built into).
     """
     flag = f"--actor.model-path {given}"
     path = Path(model_path).expanduser()

@@ -14,7 +14,7 @@ One training step:
     (with one optimizer step per rollout batch the old log-probs are the update's own: no pass of their own)
 Design decisions:
 - The algorithm is a handful of pure tensor functions (ALGORITHM banner) registered by name; the rest is
-  plumbing. Semantics follow EasyR1 (its 0.3.x line); deviations are stated where made and in the README.
+  plumbing. Semantics follow EasyR1; deviations are stated where made and in the README.
 - Each rank generates for its own prompts, so a prompt's group of n responses lives on one rank and
   group statistics need no communication. Losses are normalised by global counts (all-reduced), so
   the gradient does not depend on how samples are split over ranks or micro-batches.

@@ -151,7 +151,7 @@ def _math_equal(answer: str, ground_truth: Any) -> bool:
         predicted = parse(f"${answer}$", parsing_timeout=timeout)
         return verify(gold, predicted, timeout_seconds=timeout)
     except (Exception, TimeoutException):  # TimeoutException derives from BaseException, not Exception
-        # math_verify 0.9 already turns its own errors and timeouts into []/False; this guard is for an
+        # math_verify already turns its own errors and timeouts into []/False; this guard is for an
         # alarm that fires between its try blocks: one odd answer is wrong, not a reason to stop training.
         return False
 
@@ -285,7 +285,8 @@ class Deadline:
     sleep or a blocking socket read as well as a loop in Python (code stuck in C that holds the GIL is out of
     reach). A real-time signal, because math_verify's own time limits use SIGALRM and torchrun forwards SIGUSR1/2.
     Signals reach the main thread only: outside it, calls run without a time limit. A deadline costs two lock
-    round trips, where a timer thread per call would cost ~160 us, a noticeable share of a per-sample reward.
+    round trips, where a timer thread per call would pay a thread start for every sample, a noticeable share of
+    a cheap per-sample reward (docs/running.md).
     """
 
     SIGNAL = signal.SIGRTMIN + 1

@@ -24,9 +24,9 @@ Design decisions:
 - LoRA (lora.py): the engine gets the adapted weights merged, W + (alpha / rank) B A, in the same in-place
   stream as a full-parameter run's weights (fsdp_utils.stream_full_weights), rather than the adapter through
   vLLM's LoRA support. Correct by construction (the engine holds exactly the adapted model; the gap stays at
-  the full-parameter level, ~2e-7 on CPU) and free of a merge/unmerge cycle on the trainer's weights; vLLM's
-  LoRA path would need its adapter saved and reloaded each step and LoRA kernels in every forward. Not
-  measured against each other: the CPU build cannot show the GPU trade-off (shipping a small adapter against
+  the full-parameter level) and free of a merge/unmerge cycle on the trainer's weights; vLLM's LoRA path
+  would need its adapter saved and reloaded each step and LoRA kernels in every forward. Not measured
+  against each other: the CPU build cannot show the GPU trade-off (shipping a small adapter against
   streaming the whole model), which favours vLLM's path for large models.
 """
 
@@ -155,7 +155,7 @@ class SeedStream:
 @contextmanager
 def sampling_rng(seed: int, device: torch.device):
     """The global RNGs vLLM samples from, seeded with `seed` inside and restored on exit: torch's (CPU, and `device`
-    if it is a GPU), which vLLM 0.32's V1 model runner (the CPU platform's) samples with; and numpy's, from which
+    if it is a GPU), which vLLM's V1 model runner (the CPU platform's) samples with; and numpy's, from which
     its V2 runner (the default on CUDA) draws each request's seed as the request is added
     (vllm/v1/worker/gpu/sample/states.py) and never reads torch's."""
     numpy_state = np.random.get_state()
@@ -177,7 +177,7 @@ class VLLMRollout:
     """vLLM in-process (`distributed_executor_backend="external_launcher"`): every torchrun rank owns an
     engine (or a tensor-parallel slice of one) and generates for its own prompts. No Ray, no server.
 
-    Engine settings and why (vLLM 0.32):
+    Engine settings and why (for the vLLM that the requirements pin, docs/install.md):
     - Sleep level 2 between rollouts (GPU): it frees the weights and the KV cache for training. Level 1
       would copy the weights to pinned host memory and back every step, although every sync overwrites
       them; level 2 keeps only the buffers (rotary caches), which vLLM saves and restores itself. The CPU
@@ -188,16 +188,16 @@ class VLLMRollout:
       processing is re-run after every sync.
     - Prefix caching on: the n samples of a prompt share one prefill. Its cache is reset at every sync,
       so no KV computed with old weights is ever reused; so is the encoder cache (vision embeddings).
-    - No multimodal processor cache (vLLM keeps up to 4 GiB of processed images per engine by default): an
-      image comes back only next epoch, so the cache would only grow, step after step.
+    - No multimodal processor cache (by default vLLM caches processed images per engine, several GiB of
+      them): an image comes back only next epoch, so the cache would only grow, step after step.
     - CUDA graphs on GPU unless `--rollout.enforce-eager` (decoding is launch-bound for small batches);
       the CPU platform has no graphs, so it runs eagerly.
     - The sampling RNGs (module docstring) are set per call: the device's default generator, which the V1 model
       runner (CPU) samples unseeded requests with, and numpy's, from which the V2 runner (CUDA) draws each
       request's seed. Per-request seeds (`SamplingParams.seed`) would pin the samples too, and V2 samples them
       in one kernel, but V1 then draws each seeded request's noise with its own generator, a Python loop over
-      requests at every decoding step (0.87x of unseeded throughput on CPU, benchmarks/bench.py), and on CPU
-      they break chunked prefill ("CPU Generator does not use offset", vLLM 0.32).
+      requests at every decoding step (slower than unseeded sampling on CPU: docs/speed-and-memory.md), and on
+      CPU they break chunked prefill ("CPU Generator does not use offset").
     """
 
     def __init__(self, cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device):
@@ -245,7 +245,8 @@ class VLLMRollout:
 
     @property
     def _worker(self):
-        # In-process engine (external launcher): the worker lives in this very process (vLLM 0.32 path).
+        # In-process engine (external launcher): the worker lives in this very process (an internal path of the
+        # pinned vLLM's engine, docs/install.md: check it when upgrading vLLM).
         return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
 
     def sleep(self) -> None:
@@ -279,7 +280,7 @@ class VLLMRollout:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
-        # vision embeddings computed with the old weights; reusing one fails with "Encoder cache miss" (vLLM 0.32)
+        # vision embeddings computed with the old weights; reusing one fails with "Encoder cache miss"
         self.llm.llm_engine.reset_encoder_cache()
         self.weights_version = version
 

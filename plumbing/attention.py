@@ -5,13 +5,9 @@ The trainer packs a micro-batch's sequences into one row with position ids resta
 (logprobs.py). Given such position ids and no attention mask, transformers' own "sdpa" builds a block-diagonal
 [S, S] mask and computes attention densely over the whole row. "packed_sdpa" asks for no mask when nothing is
 padded and runs causal sdpa once per sequence instead: each sequence attends only to itself, at the cost of
-padding-free attention, sum of L^2 (what flash-attn's varlen kernel computes on GPU). Measured on 2 CPU cores, one
-forward and backward of the tiny model's log-probs:
-
-    sequences                          padded (sdpa)   packed, sdpa's mask   packed, packed_sdpa
-    64 x (30 + 1..10 tokens)           0.106 s         0.365 s               0.104 s
-    64 x (30 + 10..60 tokens)          0.240 s         1.131 s               0.195 s
-    8 x (32 + 50..1000 tokens)         0.594 s         1.842 s               0.363 s
+padding-free attention, sum of L^2 (what flash-attn's varlen kernel computes on GPU). On CPU that makes packed
+rows as fast as padded ones or faster, where sdpa's block-diagonal mask makes them several times slower
+(figures: docs/speed-and-memory.md).
 
 Everything else goes to transformers' sdpa unchanged: padded batches with a mask (the hf engine's generation),
 one token at a time against a KV cache, the vision towers (bidirectional, split by their own cu_seqlens).
@@ -54,7 +50,7 @@ def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
                                       **kwargs)
     gqa = key.shape[1] != query.shape[1]
     # split, not a slice per sequence: the backward of split is one concatenation, while each slice's backward
-    # would write its gradient into a zero-filled tensor of the whole row (measured: a third of the backward)
+    # would write its gradient into a zero-filled tensor of the whole row, a large share of the backward
     pieces = [F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
               for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))]
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None  # [1, S, heads, d]

@@ -14,8 +14,8 @@ Design decisions:
   rank with room. Each optimizer step sees the same sequences as without balancing and its loss, normalised
   by global counts (grpo.aggregate), is the same up to the order of the sums.
 - A mini-batch whose deal would not lower its heaviest rank's tokens by MIN_GAIN is left as it is: the
-  exchange costs ~0.3 ms a sequence on CPU (pickling, rebuilding), more than a few percent of a short update
-  (measured on the default job: 20 ms a step for 64 sequences of ~45 tokens per rank, nothing to gain).
+  exchange has a cost per sequence (pickling, rebuilding) that a nearly even deal does not win back on a
+  short update, such as the default job's (figures: docs/speed-and-memory.md).
 - Every rank computes the same plan from all ranks' lengths (one small all_gather), then rows travel in one
   all_to_all of pickled host copies (Batch.row: each field cut to its length), rows of any width and a
   vision-language row's image tensors alike. Each rank rebuilds its batch with Batch.from_rows.

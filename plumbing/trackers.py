@@ -16,16 +16,18 @@ Offline, with no network and no account:
 - swanlab honours SWANLAB_MODE; when it is unset and no API key is configured (SWANLAB_API_KEY or `swanlab
   login`), it runs in mode "offline" (run_dir/swanlog/run-*/, for a later `swanlab sync`), never at its login prompt.
 - mlflow-skinny has no SQL store (MLflow's default `sqlite:///mlflow.db` needs the full `mlflow` package), so the
-  local store is MLflow's file store, in maintenance mode in MLflow 3 and refused unless MLFLOW_ALLOW_FILE_STORE
-  is true: that variable is set to true for it. `mlflow ui --backend-store-uri run_dir/mlruns` shows it.
+  local store is MLflow's file store, in maintenance mode and refused unless MLFLOW_ALLOW_FILE_STORE is true
+  (docs/trackers-and-metrics.md): that variable is set to true for it. `mlflow ui --backend-store-uri
+  run_dir/mlruns` shows it.
 
 Resume (resume_step > 0, the checkpoint's step): whatever was logged for later steps is lost work that will be
 redone, so jsonl rewrites its files without those lines and tensorboard hides those events (purge_step); wandb,
 swanlab and mlflow reattach to the run whose id the first launch stored in run_dir/trackers.json. Those three
 cannot drop logged points: MLflow keeps both values of a redone step, wandb and SwanLab keep the first (they
-ignore a step not above the last one logged; wandb's `resume_from` rewind is in private preview). Offline, wandb
-and SwanLab write a new run folder with the same run id. A fresh run (resume_step 0) in a used run folder starts
-the jsonl files anew and hides the earlier tensorboard events, as grpo.py rewrites config.json.
+ignore a step not above the last one logged; wandb's `resume_from` rewind is not used: see
+docs/trackers-and-metrics.md). Offline, wandb and SwanLab write a new run folder with the same run id. A fresh
+run (resume_step 0) in a used run folder starts the jsonl files anew and hides the earlier tensorboard events,
+as grpo.py rewrites config.json.
 
 Adding a tracker: one class taking a RunInfo, with log, log_generations and close, that imports its package in
 its constructor (never here at the top) and names it in `package` and `pip`; then one entry in BACKENDS.
@@ -177,7 +179,7 @@ class WandbTracker:
 
 
 class SwanLabTracker:
-    """SwanLab; run_dir/swanlog/run-*/ offline. SwanLab 0.10 has no switch to silence its banner lines."""
+    """SwanLab; run_dir/swanlog/run-*/ offline. SwanLab has no switch to silence its banner lines."""
     package, pip = "swanlab", "swanlab"
 
     def __init__(self, run: RunInfo):

@@ -12,7 +12,7 @@ Design decisions:
 - A metric missing from the file (an older run, or validation switched off) is said in its panel, so
   one missing key never costs the other three panels.
 - The figure has a fixed pixel size (10x6 inches at 100 dpi, no tight bounding box) and a 64-colour
-  palette, so a committed PNG stays small (~40 KB) and two runs' pictures line up.
+  palette, so a committed PNG stays small and two runs' pictures line up.
 """
 
 import io
@@ -95,8 +95,8 @@ def main(run_dir: Annotated[Path, tyro.conf.Positional], out: Path | None = None
     png = io.BytesIO()
     fig.savefig(png, format="png")  # no bbox_inches="tight": the PNG is exactly FIGSIZE * DPI pixels
     plt.close(fig)
-    # 64 colours (pillow comes with matplotlib): 500 steps of noisy, antialiased curves take ~120 KB in full
-    # colour and ~40 KB in 64
+    # 64 colours (pillow comes with matplotlib): noisy, antialiased curves take a fraction of their full-colour
+    # size (docs/trackers-and-metrics.md)
     Image.open(png).convert("RGB").quantize(64).save(out, format="png", optimize=True)
     print(out)
     return out
