@@ -110,7 +110,7 @@ def part_bare(args) -> dict:
 # ---- the trainer: update throughput against a bare FSDP2 loop, packed against padded, the logits' memory ------------
 
 
-def spread_batch(args, vocab: int, seed: int = 0) -> dict:
+def spread_batch(args, vocab: int, seed: int = 0):
     """`args.rows` sequences: a 32-token prompt and a response of uniformly drawn length in
     [args.min_response, args.max_response] tokens, the spread of real reasoning rollouts."""
     import torch
@@ -149,9 +149,9 @@ def part_update(args) -> dict:
     _, _, device = init_distributed()
     model = load_sharded_model(args.model, device, trainable=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in spread_batch(args, 100).items()}
+    batch = spread_batch(args, 100).to(device)
     tokens = sum(batch.prompt_lengths) + sum(batch.response_lengths)
-    advantages = torch.randn(batch.response_mask.shape, device=device) * batch.response_mask
+    batch.advantages = torch.randn(batch.response_mask.shape, device=device) * batch.response_mask
     cfg = Config()
     cfg.algorithm.use_kl_loss, cfg.rollout.n = False, args.rows
     cfg.trainer.global_batch_size, cfg.trainer.rollout_batch_size = 1, 1
@@ -168,11 +168,11 @@ def part_update(args) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    trainer = timed(lambda: update_policy(model, optimizer, batch, None, None, advantages, cfg), args.repeats)
+    trainer = timed(lambda: update_policy(model, optimizer, batch, cfg), args.repeats)
     plain = timed(bare, args.repeats)
     cfg.actor.padding_free, cfg.actor.max_tokens_per_micro_batch = False, 0
     cfg.actor.micro_batch_size = max(1, args.rows // len(plan))  # as many micro-batches as the packed plan
-    padded = timed(lambda: update_policy(model, optimizer, batch, None, None, advantages, cfg), args.repeats)
+    padded = timed(lambda: update_policy(model, optimizer, batch, cfg), args.repeats)
     return {"tokens": tokens, "micro_batches": len(plan), "trainer_tokens_per_s": tokens / trainer,
             "bare_tokens_per_s": tokens / plain, "padded_tokens_per_s": tokens / padded}
 
@@ -186,28 +186,25 @@ def part_balance(args) -> dict:
 
     from fsdp_utils import init_distributed, load_sharded_model
     from grpo import Config, update_policy
-    from logprobs import sequence_lengths
     from plumbing.balance import balance_over_ranks
 
     rank, world, device = init_distributed()
     model = load_sharded_model(args.model, device, trainable=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-             for k, v in spread_batch(args, 100, seed=rank).items()}
-    advantages = torch.randn(batch.response_mask.shape, device=device) * batch.response_mask
+    batch = spread_batch(args, 100, seed=rank).to(device)
+    batch.advantages = torch.randn(batch.response_mask.shape, device=device) * batch.response_mask
     cfg = Config()
     cfg.algorithm.use_kl_loss, cfg.rollout.n, cfg.trainer.global_batch_size = False, args.rows, world  # one mini-batch
     cfg.actor.max_tokens_per_micro_batch = args.tokens_per_micro_batch
 
     def update(balance: bool):
-        b, (a,) = balance_over_ranks(batch, [advantages], args.rows, 0) if balance else (batch, (advantages,))
-        update_policy(model, optimizer, b, None, None, a, cfg)
+        update_policy(model, optimizer, balance_over_ranks(batch, args.rows, 0) if balance else batch, cfg)
         dist.barrier()
 
     as_is, dealt = timed(lambda: update(False), args.repeats), timed(lambda: update(True), args.repeats)
     tokens = [None] * world
     dist.all_gather_object(tokens, [sum(batch.sequence_lengths),
-                                    sum(sequence_lengths(balance_over_ranks(batch, [advantages], args.rows, 0)[0]))])
+                                    sum(balance_over_ranks(batch, args.rows, 0).sequence_lengths)])
     return {"tokens_per_rank": tokens, "as_is_s": as_is, "balanced_s": dealt}
 
 
@@ -224,7 +221,7 @@ def part_logits(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model).to(device)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in spread_batch(args, 100).items()}
+    batch = spread_batch(args, 100).to(device)
     before = (torch.cuda.memory_allocated() if device.type == "cuda"
               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if args.full:
@@ -342,7 +339,9 @@ def main():
     if args.part:
         parts = {"rollout": part_rollout, "bare": part_bare, "hf": part_hf, "update": part_update,
                  "balance": part_balance, "logits": part_logits}
-        Path(args.out).write_text(json.dumps(parts[args.part](args)))
+        result = parts[args.part](args)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has a result; the ranks' timings differ
+            Path(args.out).write_text(json.dumps(result))
         return
     if args.only != "trainer":
         rollout_tables(argparse.Namespace(**vars(args)))

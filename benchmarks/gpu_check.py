@@ -123,15 +123,15 @@ def part_update(args) -> dict:
     vocab = actor.config.vocab_size
     batch = make_batch(random_ids(generator, prompts * n, prompt_len, vocab),
                        random_ids(generator, prompts * n, response_len, vocab), 0, device=device)
-    old = batched_logprobs(actor, batch, 1.0, cfg.actor.micro_batch_size)
-    advantages = torch.randn(prompts * n, 1, generator=generator).to(device) * batch.response_mask
+    batch.old_logprobs = batched_logprobs(actor, batch, 1.0, cfg.actor.micro_batch_size)
+    batch.advantages = torch.randn(prompts * n, 1, generator=generator).to(device) * batch.response_mask
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6)
-    update_policy(actor, optimizer, batch, old, None, advantages, cfg)  # warm-up: AdamW's states, kernel choices
+    update_policy(actor, optimizer, batch, cfg)  # warm-up: AdamW's states, kernel choices
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    update_policy(actor, optimizer, batch, old, None, advantages, cfg)
+    update_policy(actor, optimizer, batch, cfg)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -174,7 +174,7 @@ def part_paths(args) -> dict:
     cfg = Config()
     cfg.rollout.n, cfg.trainer.rollout_batch_size, cfg.trainer.global_batch_size = 16, 1, 1
     cfg.actor.micro_batch_size, cfg.algorithm.use_kl_loss = 8, False
-    advantages = torch.randn(16, 1, generator=generator).to(device) * batch.response_mask
+    batch.advantages = torch.randn(16, 1, generator=generator).to(device) * batch.response_mask
     weights, freed, streamed = {}, 0.0, 0
     for run in ("plain", "plain again", "offload while generating", "fsdp cpu offload"):
         torch.manual_seed(0)
@@ -186,7 +186,7 @@ def part_paths(args) -> dict:
                 move_training_state("cpu", [actor], optimizer)
                 freed = before - allocated()
                 move_training_state(device, [actor], optimizer)
-            update_policy(actor, optimizer, batch, None, None, advantages, cfg)
+            update_policy(actor, optimizer, batch, cfg)
         if run == "fsdp cpu offload":  # the engine's stream: each host shard gathered on the device
             streamed = sum(t.numel() for _, t in stream_full_weights(actor, torch.bfloat16, device))
         weights[run] = [p.full_tensor().float() for p in actor.parameters()]

