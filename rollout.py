@@ -36,6 +36,7 @@ import random
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -257,8 +258,16 @@ class VLLMRollout:
 
     def shutdown(self) -> None:
         """Stop the engine now (it tears down its own process groups), not in an exit-time finalizer that
-        would run after torch.distributed is gone and fail with "Invalid process group specified"."""
+        would run after torch.distributed is gone and fail with "Invalid process group specified".
+
+        On a CPU with tensor (or pipeline) parallelism, vLLM's communicator holds a shared-memory segment per
+        rank whose name is the same in every run; only an exit-time destructor removes it, which the exit
+        without interpreter teardown (plumbing/console.run) skips, and a segment left behind fails the next such
+        run ("create shm in SHMManager failed. errno: 17"). This rank's segments are removed here."""
+        segments = _cpu_shm_segments()
         self.llm.llm_engine.engine_core.shutdown()
+        for segment in segments:
+            segment.unlink(missing_ok=True)
 
     def sync_weights(self, model: torch.nn.Module, version: int, on_loaded: Callable[[], None] = lambda: None) -> None:
         """Load the trainer's weights in place: wake the weights, stream them in, `on_loaded()`, then wake the KV
@@ -313,6 +322,22 @@ class VLLMRollout:
                           logprobs=[next(iter(step.values())).logprob for step in o.logprobs],
                           truncated=o.finish_reason == "length")
                  for o in out.outputs] for out in outputs]
+
+
+def _cpu_shm_segments() -> list[Path]:
+    """The shared-memory files this rank's vLLM CPU communicators created (one per tensor- or pipeline-parallel
+    group that uses one: /dev/shm/GROUP_RANK)."""
+    from vllm.distributed import parallel_state
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    segments = []
+    for group in (parallel_state._TP, parallel_state._PP):
+        communicator = getattr(group, "device_communicator", None)
+        shm = getattr(communicator, "dist_module", None)
+        if isinstance(shm, _CPUSHMDistributed):
+            # shm_open(3) ignores the name's leading slashes (the group name starts with "//" under torchrun)
+            segments.append(Path("/dev/shm") / f"{shm.group_name}_{communicator.rank_in_group}".lstrip("/"))
+    return segments
 
 
 def _vllm_prompt(item: PromptItem) -> dict:

@@ -146,12 +146,16 @@ def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, ar
 @pytest.mark.slow
 def test_tensor_parallel_rollout(tmp_path):
     """Both ranks share one vLLM engine (TP=2): they pool their prompts, each keeps its own responses,
-    and after every sync the engine still matches the trainer."""
-    torchrun(["grpo.py", "--rollout.tensor-parallel-size", "2", "--trainer.total-steps", "2",
-              "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0", "--trainer.no-val-before-train",
-              "--trainer.no-save-final", *FAST])
-    metrics = read_metrics(tmp_path / "tiny-qwen2_toy")
-    assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < ENGINE_GAP for m in metrics)
+    and after every sync the engine still matches the trainer. Run twice: vLLM's CPU communicator names its
+    shared-memory segments the same in every run, and the first run must remove its own, or the second fails
+    with "create shm in SHMManager failed. errno: 17"."""
+    for run in ("first", "second"):
+        torchrun(["grpo.py", "--rollout.tensor-parallel-size", "2", "--trainer.total-steps", "2",
+                  "--trainer.output-dir", str(tmp_path / run), "--trainer.val-freq", "0",
+                  "--trainer.no-val-before-train", "--trainer.no-save-final", *FAST])
+        assert not list(Path("/dev/shm").glob("*cpushm*"))
+        metrics = read_metrics(tmp_path / run / "tiny-qwen2_toy")
+        assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < ENGINE_GAP for m in metrics)
 
 
 @pytest.mark.slow
