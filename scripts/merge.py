@@ -1,9 +1,9 @@
 """The merger: a Hugging Face model folder from a run's checkpoint, LoRA merged into the base.
 
-    python -m merge runs/toy OUT                              # the run's latest checkpoint
-    python -m merge runs/toy/checkpoints/step_000040 OUT      # that checkpoint
-    python -m merge runs/toy OUT --overwrite                  # replace OUT, an earlier merger output
-    torchrun --nproc_per_node 8 -m merge runs/big-run OUT     # a model that needs several GPUs to hold
+    python -m scripts.merge runs/tiny-qwen2_toy OUT                 # the run's latest checkpoint
+    python -m scripts.merge runs/tiny-qwen2_toy/checkpoints/step_000040 OUT   # that checkpoint
+    python -m scripts.merge runs/tiny-qwen2_toy OUT --overwrite     # replace OUT, an earlier merger output
+    torchrun --nproc_per_node 8 -m scripts.merge runs/big-run OUT   # a model that needs several GPUs to hold
 
 OUT gets safetensors, config, generation config, and the tokenizer (a vision-language model's processor): it loads
 with `from_pretrained` and with vLLM. The model is rebuilt from the run's config.json (the base model, the LoRA
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> None:
     overwrite = "--overwrite" in argv
     paths = [arg for arg in argv if arg != "--overwrite"]
     if len(paths) != 2 or any(arg.startswith("-") for arg in paths):
-        raise SystemExit("usage: python -m merge RUN_FOLDER_OR_CHECKPOINT OUT [--overwrite]")
+        raise SystemExit("usage: python -m scripts.merge RUN_FOLDER_OR_CHECKPOINT OUT [--overwrite]")
     check_output_folder(paths[1], overwrite, "the merger's output folder")  # before anything loads
     quiet_libraries(verbose=False)
     _, _, device = init_distributed()

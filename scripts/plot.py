@@ -1,7 +1,7 @@
 """Plot a run's training curves from its metrics.jsonl, for runs without an experiment tracker.
 
-    python -m plot runs/toy-grpo                   # writes runs/toy-grpo/curves.png
-    python -m plot runs/toy-grpo --out curves.png
+    python -m scripts.plot runs/tiny-qwen2_toy           # writes runs/tiny-qwen2_toy/curves.png
+    python -m scripts.plot runs/tiny-qwen2_toy --out curves.png
 
 One 2x2 figure over the training step, titled with the run folder's name:
     reward (train per step, validation as markers) | KL to the reference model

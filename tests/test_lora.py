@@ -168,7 +168,8 @@ def test_merger_errors_name_the_folder(world_of_one, tmp_path):
 def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_loads_in_vllm(tmp_path):
     """2 steps, 2 ranks: no reference model is built (the base is the reference), the engine follows the adapted
     model after every sync (gap at the full-model level), the base weights are bitwise unchanged and the adapters
-    moved; `python -m merge` on the run folder gives a folder vLLM loads and whose log-probs are the trained model's."""
+    moved; `python -m scripts.merge` on the run folder gives a folder vLLM loads and whose log-probs are the trained
+    model's."""
     output = torchrun(["grpo.py", "--lora.rank", "8", "--lora.alpha", "16", "--trainer.total-steps", "2",
                        "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0",
                        "--trainer.no-val-before-train", "--trainer.rollout-batch-size", "8",
