@@ -19,8 +19,8 @@ from fsdp_utils import init_distributed, load_sharded_model
 from logprobs import batched_logprobs, make_batch
 from plumbing.tiny import build_tiny_model
 from rollout import RolloutConfig, build_rollout, vllm_environment
+from rollout_worker import TEMPERATURE, logprob_gap
 
-TEMPERATURE = 0.9
 
 
 def favour(actor, token: int, strength: float) -> None:
@@ -75,14 +75,9 @@ def main(engine: str, out: str):
         if version:
             rollout.sync_weights(actor, version=version)
         groups = rollout.generate(prompts, version=version)
-        responses = [r for g in groups for r in g]
-        batch = make_batch([p["prompt_ids"] for p, g in zip(prompts, groups) for _ in g],
-                           [r.token_ids for r in responses], tokenizer.pad_token_id)
-        trainer = batched_logprobs(actor, batch, temperature=TEMPERATURE, micro_batch_size=16)
-        gap = max((trainer[b, : len(r.logprobs)] - torch.tensor(r.logprobs)).abs().max().item()
-                  for b, r in enumerate(responses))
-        phases[phase] = {"gap": gap, "responses": [{"token_ids": r.token_ids, "truncated": r.truncated,
-                                                        "n_logprobs": len(r.logprobs)} for r in responses]}
+        responses = [{"token_ids": r.token_ids, "truncated": r.truncated, "n_logprobs": len(r.logprobs)}
+                     for g in groups for r in g]
+        phases[phase] = {"gap": logprob_gap(actor, prompts, groups, tokenizer.pad_token_id), "responses": responses}
     with open(out, "w") as f:
         json.dump({"phases": phases, "prompt_ids": [p["prompt_ids"] for p in prompts]}, f)
     rollout.shutdown()

@@ -32,6 +32,11 @@ def bpe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def bpe_vl_processor(tmp_path_factory):
+    return AutoProcessor.from_pretrained(build_tiny_model("qwen2_5_vl_bpe", tmp_path_factory.mktemp("bpe_vl") / "m"))
+
+
+@pytest.fixture(scope="module")
 def tokenizer(bpe):
     return AutoTokenizer.from_pretrained(bpe)
 
@@ -69,7 +74,7 @@ def test_decoding_with_and_without_specials_and_a_boxed_answer_in_pieces(tokeniz
     assert tokenizer.decode(response) == "<tool_call>\n{}\n</tool_call><|im_end|><|endoftext|>"
 
 
-def test_the_chat_template_renders_qwen2_5_instruct_turns(bpe, tokenizer, tmp_path):
+def test_the_chat_template_renders_qwen2_5_instruct_turns(tokenizer, bpe_vl_processor):
     """System (Qwen's default when the conversation has none), user and assistant turns, tools in the system turn,
     an assistant's tool call as a <tool_call> JSON object, consecutive tool results as one user turn; the
     vision sibling's image part as Qwen2.5-VL's placeholder, under Qwen2.5-VL's default system line."""
@@ -93,9 +98,8 @@ def test_the_chat_template_renders_qwen2_5_instruct_turns(bpe, tokenizer, tmp_pa
         '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\ndone\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n5<|im_end|>\n")
-    processor = AutoProcessor.from_pretrained(build_tiny_model("qwen2_5_vl_bpe", tmp_path / "vl"))
     image_turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
-    assert processor.apply_chat_template(image_turn, tokenize=False) == (
+    assert bpe_vl_processor.apply_chat_template(image_turn, tokenize=False) == (
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
         "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n")
 
@@ -137,7 +141,7 @@ def test_math_rewards_of_hand_made_responses_through_the_real_tokenizer(tokenize
     assert [s["overall"] for s in group.scores] == pytest.approx([*answers.values(), 0.9])
 
 
-def test_prompt_lengths_count_real_tokens(tokenizer, tmp_path):
+def test_prompt_lengths_count_real_tokens(tokenizer, bpe_vl_processor):
     """--data.max-prompt-length counts the BPE tokens of the rendered prompt (system turn, template and all), and
     for the vision sibling an image's expanded tokens: a limit of exactly a prompt's length keeps it, one less
     drops it."""
@@ -148,16 +152,15 @@ def test_prompt_lengths_count_real_tokens(tokenizer, tmp_path):
     assert PromptDataset(rows, DataConfig(max_prompt_length=length + 1), tokenizer, "d").num_filtered == 0
     with pytest.raises(ValueError):
         PromptDataset(rows, DataConfig(max_prompt_length=length - 1), tokenizer, "d")
-    processor = AutoProcessor.from_pretrained(build_tiny_model("qwen2_5_vl_bpe", tmp_path / "vl"))
     image_rows = datasets.Dataset.from_list([{"problem": "<image>Which colour?", "answer": "r",
                                               "images": [Image.new("RGB", (56, 56), (220, 30, 30))]}])
     cfg = DataConfig(max_prompt_length=4096, min_pixels=28 * 28, max_pixels=112 * 112)
-    item = PromptDataset(image_rows, cfg, processor.tokenizer, "d", processor)[0]
-    expanded = processor(text=[item["prompt"]], images=item["images"])["input_ids"][0]
-    assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == 151655 and expanded.count(151655) == 4
+    item = PromptDataset(image_rows, cfg, bpe_vl_processor.tokenizer, "d", bpe_vl_processor)[0]
+    expanded = bpe_vl_processor(text=[item["prompt"]], images=item["images"])["input_ids"][0]
+    assert bpe_vl_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == 151655 and expanded.count(151655) == 4
     limit = DataConfig(max_prompt_length=len(expanded) - 1, min_pixels=28 * 28, max_pixels=112 * 112)
     with pytest.raises(ValueError):
-        PromptDataset(image_rows, limit, processor.tokenizer, "d", processor)
+        PromptDataset(image_rows, limit, bpe_vl_processor.tokenizer, "d", bpe_vl_processor)
 
 
 def test_the_chunked_head_over_151k_tokens_matches_the_full_softmax(bpe, tokenizer):
