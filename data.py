@@ -17,6 +17,7 @@ Dataset format: one row per prompt; the column names are flags (--data.prompt-ke
 Where the rows come from (`name[@split]`, split `train` unless given):
     toy                      the built-in task "most common digit" (toy_rows): splits train and test
     toy_vision               the built-in visual task "which colour fills the picture" (toy_vision_rows)
+    toy_tools                the built-in tool task "look it up" (toy_tool_rows; with --rollout.tools toy)
     data/math12k.parquet     one parquet, json, jsonl or csv file: the file is the split (no @split)
     data/math12k@test        a folder of such files, split by file name (train.jsonl, test-0000.parquet)
     hiyouga/math12k@test     a Hugging Face Hub dataset id (needs the network or a filled HF cache)
@@ -45,6 +46,7 @@ import io
 import json
 import math
 import random
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +142,23 @@ def toy_vision_rows(split: str) -> list[dict]:
     return rows
 
 
+def toy_tool_rows(split: str) -> list[dict]:
+    """The built-in tool task "look it up": the prompt is a made-up four-letter word, the answer a digit that only
+    the `lookup` tool (tools.py) knows; answer it and stop. train: 1024 rows, test: 50, seeded.
+
+    >>> toy_tool_rows("test")[0]
+    {'problem': 'eszy', 'answer': '1'}
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"the toy_tools dataset has the splits 'train' and 'test', not {split!r}")
+    rng = random.Random(0 if split == "train" else 1)
+    return [{"problem": "".join(rng.choice(string.ascii_lowercase) for _ in range(4)), "answer": str(rng.randrange(10))}
+            for _ in range(1024 if split == "train" else 50)]
+
+
+BUILTIN_ROWS = {"toy": toy_rows, "toy_vision": toy_vision_rows, "toy_tools": toy_tool_rows}
+
+
 def validation_files(train_files: str, val_files: str) -> tuple[str, str]:
     """The validation data `--data.val-files` names ('' for none) and a note on where it comes from.
 
@@ -153,7 +172,7 @@ def validation_files(train_files: str, val_files: str) -> tuple[str, str]:
         return val_files, f"validation: {val_files}" if val_files else "no validation (--data.val-files is empty)"
     name, split = parse_spec(train_files)
     path = Path(name).expanduser()
-    if name in ("toy", "toy_vision"):
+    if name in BUILTIN_ROWS:
         splits = ["train", "test"]
     elif path.is_file():
         return "", (f"no validation: {train_files} is a single file, which has no test split (--data.val-files to "
@@ -237,10 +256,8 @@ def load_rows(spec: str) -> datasets.Dataset:
     """The rows of `name[@split]`: the toy task, a local file or folder, or a hub dataset (module docstring)."""
     name, split = parse_spec(spec)
     path = Path(name).expanduser()
-    if name == "toy":
-        return datasets.Dataset.from_list(toy_rows(split or "train"))
-    if name == "toy_vision":
-        return datasets.Dataset.from_list(toy_vision_rows(split or "train"))
+    if name in BUILTIN_ROWS:
+        return datasets.Dataset.from_list(BUILTIN_ROWS[name](split or "train"))
     if path.is_file():
         if split is not None:
             raise ValueError(f"dataset {spec!r}: a single file has no splits, the file is the split; "
@@ -300,14 +317,16 @@ class PromptItem(TypedDict):
 
 class PromptDataset:
     """The prompts of one dataset, ready for the rollout: item i is a PromptItem. `processor`: the model's
-    (vision-language models), which renders prompts with images and says how many tokens an image costs."""
+    (vision-language models), which renders prompts with images and says how many tokens an image costs; `tools`:
+    the JSON schemas of the tools offered, which the chat template lists in the prompt (tools.py)."""
 
-    def __init__(self, rows: datasets.Dataset, cfg: DataConfig, tokenizer, name: str, processor=None):
+    def __init__(self, rows: datasets.Dataset, cfg: DataConfig, tokenizer, name: str, processor=None,
+                 tools: list[dict] | None = None):
         for key, flag in ((cfg.prompt_key, "--data.prompt-key"), (cfg.answer_key, "--data.answer-key")):
             if key not in rows.column_names:
                 raise ValueError(f"dataset {name!r} has no column {key!r} (its columns: {rows.column_names}); "
                                  f"set {flag} to the right one")
-        self.cfg, self.tokenizer, self.name, self.processor = cfg, tokenizer, name, processor
+        self.cfg, self.tokenizer, self.name, self.processor, self.tools = cfg, tokenizer, name, processor, tools
         self.template = load_template(cfg.format_prompt)
         self.has_images = cfg.image_key in rows.column_names
         # an image slot without its image breaks the model whatever the flag says; other control tokens in a
@@ -383,7 +402,7 @@ class PromptDataset:
                                    ([{"type": "text", "text": text_part}] if text_part else [])]
         messages = [{"role": "user", "content": content}]
         renderer = self.processor if self.processor is not None else self.tokenizer
-        return renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return renderer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True, tokenize=False)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         # the chat template already wrote the special tokens, so the tokenizer must not add a BOS again
@@ -448,11 +467,13 @@ def resize_image(image: Image.Image, min_pixels: int, max_pixels: int) -> Image.
 # ---------------------------------------------------------------- batches: every rank its share
 
 
-def load_datasets(cfg: DataConfig, tokenizer, processor, say) -> tuple[PromptDataset, PromptDataset | None]:
-    """The training prompts and the validation prompts (None without validation files)."""
-    train_set = PromptDataset(load_rows(cfg.train_files), cfg, tokenizer, cfg.train_files, processor)
+def load_datasets(cfg: DataConfig, tokenizer, processor, say,
+                  tools: list[dict] | None = None) -> tuple[PromptDataset, PromptDataset | None]:
+    """The training prompts and the validation prompts (None without validation files); `tools`: the JSON schemas
+    of the tools the prompts offer the model (tools.py)."""
+    train_set = PromptDataset(load_rows(cfg.train_files), cfg, tokenizer, cfg.train_files, processor, tools)
     val_files, val_note = validation_files(cfg.train_files, cfg.val_files)  # never another dataset by default
-    val_set = PromptDataset(load_rows(val_files), cfg, tokenizer, val_files, processor) if val_files else None
+    val_set = PromptDataset(load_rows(val_files), cfg, tokenizer, val_files, processor, tools) if val_files else None
     say(f"data: {len(train_set)} training prompts ({train_set.num_filtered} longer than {cfg.max_prompt_length} "
         f"tokens dropped), {len(val_set) if val_set else 0} validation prompts; " + val_note)
     return train_set, val_set

@@ -57,7 +57,8 @@ from plumbing.tiny import ARCHITECTURES, VISION_ARCHITECTURES, resolve_model
 from plumbing.trackers import Trackers, check_loggers
 from rewards import RewardConfig, RewardError, RewardFunction, RewardInput
 from rollout import Response, RolloutConfig, start_engine, vllm_environment
-from vision import expand_prompt, is_vision_language
+from tools import ToolRollout, episode_metrics, load_tools, tool_schema
+from vision import expand_images, is_vision_language, repeat
 
 
 @dataclass
@@ -517,11 +518,18 @@ class Group:
 
 def score_groups(reward_fn: RewardFunction, tokenizer, items: list[PromptItem],
                  responses: list[list[Response]]) -> list[Group]:
-    """Each prompt's responses scored by the reward function (one call for the whole batch)."""
-    scores = iter(reward_fn([RewardInput(response=tokenizer.decode(r.token_ids, skip_special_tokens=True),
-                                         response_length=len(r.token_ids), ground_truth=item["ground_truth"],
-                                         prompt=item["prompt"], row=item["row"], images=item["images"])
-                             for item, group in zip(items, responses) for r in group]))
+    """Each prompt's responses scored by the reward function (one call for the whole batch). A multi-turn episode's
+    reward reads its turns (`messages`) and, as `response`, its last generated turn's text."""
+    inputs = []
+    for item, group in zip(items, responses):
+        for r in group:
+            messages = r.episode.messages if r.episode else [
+                {"role": "assistant", "content": tokenizer.decode(r.token_ids, skip_special_tokens=True)}]
+            last = next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
+            inputs.append(RewardInput(response=last, response_length=len(r.token_ids),
+                                      ground_truth=item["ground_truth"], prompt=item["prompt"], row=item["row"],
+                                      images=item["images"], messages=messages))
+    scores = iter(reward_fn(inputs))
     return [Group(item, group, [next(scores) for _ in group]) for item, group in zip(items, responses)]
 
 
@@ -645,17 +653,23 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def batch_of(groups: list[Group], processor, pad_id: int, device: torch.device) -> Batch:
-    """The trainer's batch of a step's groups: a row per response, after its prompt (a vision-language prompt with
-    its images' tokens and tensors, vision.expand_prompt)."""
-    prompts, responses, engine_logprobs, vision = [], [], [], []
+    """The trainer's batch of a step's groups: a row per response, after its prompt; each `<|image_pad|>` expanded
+    to its image's tokens, and the row's image tensors, the prompt's then a tool's (vision.expand_images)."""
+    prompts, responses, masks, engine_logprobs, vision = [], [], [], [], []
     for group in groups:
-        prompt_ids, images = expand_prompt(processor, group.item) if processor else (group.item["prompt_ids"], None)
-        for response in group.responses:
-            prompts.append(prompt_ids)
-            responses.append(response.token_ids)
-            engine_logprobs.append(response.logprobs)
+        item = group.item
+        (prompt_repeats,), prompt_images = expand_images(processor, [item["prompt_ids"]], item["images"])
+        for r in group.responses:
+            response_repeats, images = [1] * len(r.token_ids), prompt_images
+            if r.images:
+                (prompt_repeats, response_repeats), images = expand_images(
+                    processor, [item["prompt_ids"], r.token_ids], item["images"] + r.images)
+            prompts.append(repeat(item["prompt_ids"], prompt_repeats))
+            responses.append(repeat(r.token_ids, response_repeats))
+            masks.append(repeat(r.mask if r.mask is not None else [1] * len(r.token_ids), response_repeats))
+            engine_logprobs.append(repeat(r.logprobs, response_repeats))
             vision.append(images)
-    return make_batch(prompts, responses, pad_id, engine_logprobs, device, vision if processor else None)
+    return make_batch(prompts, responses, pad_id, engine_logprobs, device, vision if processor else None, masks)
 
 
 def main(cfg: Config) -> None:
@@ -693,7 +707,9 @@ def main(cfg: Config) -> None:
     # a vision-language model's processor renders prompts with images and knows what an image costs in tokens
     vision_language = is_vision_language(AutoConfig.from_pretrained(model_path))
     processor = AutoProcessor.from_pretrained(model_path) if vision_language else None
-    train_set, val_set = load_datasets(cfg.data, tokenizer, processor, console.print)
+    tools = load_tools(cfg.rollout.tools) if cfg.rollout.tools else {}  # multi-turn episodes with tool calls
+    train_set, val_set = load_datasets(cfg.data, tokenizer, processor, console.print,
+                                       [tool_schema(fn) for fn in tools.values()] or None)
     console.print(attention_line(device))
     loader = PromptLoader(train_set, cfg.trainer.rollout_batch_size, rank, world, cfg.data.seed, cfg.data.shuffle)
     val_items = shard(val_set, rank, world) if val_set else []
@@ -716,6 +732,8 @@ def main(cfg: Config) -> None:
                                    offload=cfg.actor.offload_while_generating)
     rollout = start_engine(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                            actor, training_state, first_step - 1 if start is not None else None)
+    if tools:  # the engine, playing whole episodes
+        rollout = ToolRollout(rollout, cfg.rollout, tools, tokenizer, processor, device)
     # one optimizer step per rollout batch: the old log-probs are the update's own, no pass of their own (TRL's way)
     on_policy = (cfg.trainer.ppo_epochs == 1 and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
                  and not algo.use_kl_in_reward)
@@ -776,6 +794,8 @@ def main(cfg: Config) -> None:
 
             # ---- validate, log, save -----------------------------------------------------------------
             metrics.update(score_metrics("train", groups, device))
+            if tools:
+                metrics.update(episode_metrics([r for g in groups for r in g.responses], device))
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
             samples = []
             last = step == cfg.trainer.total_steps

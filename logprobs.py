@@ -67,7 +67,7 @@ class Batch:
     prompt_lengths: list[int] = spans(ROW)
     response_lengths: list[int] = spans(ROW)
     rollout_logprobs: torch.Tensor | None = spans(RESPONSE)  # [B, R], the engine's log-prob of each sampled token
-    vision: list[dict | None] | None = spans(ROW)  # each row's image tensors (vision.expand_prompt), None for text
+    vision: list[dict | None] | None = spans(ROW)  # each row's image tensors (vision.expand_images), None for text
     old_logprobs: torch.Tensor | None = spans(RESPONSE)  # [B, R], of the policy that sampled (the step sets them)
     ref_logprobs: torch.Tensor | None = spans(RESPONSE)  # [B, R], of the reference
     advantages: torch.Tensor | None = spans(RESPONSE)  # [B, R]
@@ -125,13 +125,15 @@ class Batch:
 
 def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
                rollout_logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu",
-               vision: list[dict | None] | None = None) -> Batch:
-    """The batch of [prompt | response] sequences, every response token counted by the losses.
+               vision: list[dict | None] | None = None, response_masks: list[list[int]] | None = None) -> Batch:
+    """The batch of [prompt | response] sequences.
 
     `rollout_logprobs`: the engine's log-prob of each sampled token; `vision`: each row's image tensors
-    (vision.expand_prompt; None for a text row), moved with each micro-batch.
+    (vision.expand_images; None for a text row), moved with each micro-batch; `response_masks`: 1 on the response
+    tokens the losses count, 0 on the holes (a tool's turn); None: every response token counts.
     """
-    rows = [{"input_ids": p + r, "responses": r, "response_mask": [1] * len(r), "prompt_lengths": len(p),
+    rows = [{"input_ids": p + r, "responses": r,
+             "response_mask": response_masks[b] if response_masks else [1] * len(r), "prompt_lengths": len(p),
              "response_lengths": len(r), "rollout_logprobs": rollout_logprobs[b] if rollout_logprobs else None,
              "vision": vision[b] if vision else None, "old_logprobs": None, "ref_logprobs": None, "advantages": None}
             for b, (p, r) in enumerate(zip(prompt_ids, response_ids))]

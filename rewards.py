@@ -1,7 +1,7 @@
 """Rewards: turn decoded responses into scores, `{"overall": float, <sub-score>: float, ...}` per sample.
 
 Design decisions:
-- A reward is a plain function, either a built-in below (toy, math, r1v) or a user's
+- A reward is a plain function, either a built-in below (toy, math, r1v, toy_tools) or a user's
   `path/to/file.py:function`. Per-sample kind: fn(RewardInput, **kwargs) -> dict; batch kind
   (`--reward.batch`, e.g. for a reward model): fn(list[RewardInput], **kwargs) -> list[dict].
 - The input carries everything users ask for: response, its token length, ground truth, the prompt,
@@ -66,6 +66,7 @@ class RewardInput(TypedDict):
     prompt: str  # the chat-formatted prompt text
     row: dict  # the whole dataset row, all columns
     images: list  # PIL images of the row; empty for text
+    messages: list[dict]  # the turns after the prompt: one assistant turn, or a tool episode's (tools.Episode)
 
 
 class RewardError(Exception):
@@ -119,7 +120,19 @@ def r1v_reward(inp: RewardInput, format_weight: float = 0.5) -> dict[str, float]
     return {"overall": overall, "format": format_ok, "accuracy": accuracy}
 
 
-BUILTINS: dict[str, Callable[..., dict[str, float]]] = {"toy": toy_reward, "math": math_reward, "r1v": r1v_reward}
+def toy_tools_reward(inp: RewardInput) -> dict[str, float]:
+    """The built-in tool task's reward (data.toy_tool_rows): look the answer up (called), then answer with the digit
+    the tool returned (accuracy, which needs the call: a guess scores nothing). overall = 0.2 called + 0.8 accuracy.
+
+    ground truth "7": turns "?", tool "7", "7" -> 1.0; "?", tool "7", "3" -> 0.2; "7" (no call) -> 0.0.
+    """
+    called = float(any(m["role"] == "tool" for m in inp["messages"]))
+    accuracy = called * float(inp["response"].strip().startswith(str(inp["ground_truth"])))
+    return {"overall": 0.2 * called + 0.8 * accuracy, "called": called, "accuracy": accuracy}
+
+
+BUILTINS: dict[str, Callable[..., dict[str, float]]] = {"toy": toy_reward, "math": math_reward, "r1v": r1v_reward,
+                                                        "toy_tools": toy_tools_reward}
 
 _GRADING_TIMEOUT_S = 5  # per parse / per comparison; math_verify's alarm takes whole seconds
 

@@ -35,9 +35,9 @@ import os
 import random
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -81,6 +81,21 @@ class RolloutConfig:
     """vLLM on GPU: skip CUDA graph capture (faster start-up, slower decoding). On CPU vLLM always runs eagerly."""
     seed: int = 1
     """Sampling seed; each generate call's RNG is seeded from it, the engine's index, the step and the call."""
+    tools: str = ""
+    """Multi-turn episodes with tool calls (tools.py): a Python file or module whose public functions are the tools,
+    or a built-in set (toy, calculator); empty: one turn, no tools."""
+    tool_parser: str = "qwen"
+    """How a turn's text calls tools: qwen (`<tool_call>` JSON), toy (a turn not led by a digit calls lookup), or
+    path/to/file.py:function."""
+    max_turns: int = 4
+    """With --rollout.tools: generated turns per episode at most (a call in the last one is not run)."""
+    max_turn_tokens: int = 0
+    """With --rollout.tools: tokens one turn may generate at most (0: what is left of --rollout.max-response-length,
+    which bounds the whole episode, tool turns included)."""
+    tool_timeout: float = 5.0
+    """With --rollout.tools: seconds a tool call may run before the model is told it timed out (0: no limit)."""
+    max_tool_errors: int = 3
+    """With --rollout.tools: failed calls (raised, timed out, bad arguments or result) that end an episode (0: none)."""
 
 
 @dataclass
@@ -91,6 +106,13 @@ class Response:
     """The engine's log-prob of each generated token (after temperature, top-k, top-p)."""
     truncated: bool
     """True when the response hit max_response_length instead of ending with EOS."""
+    mask: list[int] | None = None
+    """1 on the tokens the model generated, 0 on those it was given (a multi-turn episode's tool turns, tools.py);
+    None: all generated."""
+    images: list = field(default_factory=list)
+    """Images inside the response (a tool's), in order: one `<|image_pad|>` each in token_ids."""
+    episode: Any = None
+    """A multi-turn episode's record (tools.Episode: messages, turns, tool calls, stop reason); None for one turn."""
 
 
 def build_rollout(cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device, model):
@@ -293,12 +315,15 @@ class VLLMRollout:
         self.llm.llm_engine.reset_encoder_cache()
         self.weights_version = version
 
-    def generate(self, prompts: list[PromptItem], version: int, validation: bool = False,
-                 greedy: bool = False) -> list[list[Response]]:
+    def generate(self, prompts: list[PromptItem], version: int, validation: bool = False, greedy: bool = False,
+                 n: int | None = None, max_tokens: list[int] | None = None) -> list[list[Response]]:
         """Sample responses for `prompts`; one list of n responses per prompt.
 
         `version` is the trainer's current step: generating from older weights is a bug, so it raises.
         validation: the val_* sampling settings; greedy: one response at temperature 0 (ReMax's baseline).
+        n: responses per prompt instead of the settings' own; max_tokens: each prompt's limit instead of
+        max_response_length (a multi-turn episode's next turn, tools.py). No prompts: nothing to do, but a
+        tensor-parallel rank still joins its engine's call.
         """
         from vllm import SamplingParams
 
@@ -306,18 +331,22 @@ class VLLMRollout:
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: sleep level 2 discarded its weights, so only sync_weights() "
                                "can wake it (with the trainer's weights)")
-        n, temperature, top_p = sampling(self.cfg, validation, greedy)
-        requests = [_vllm_prompt(p) for p in prompts]
+        count, temperature, top_p = sampling(self.cfg, validation, greedy)
+        n = n or count
+        requests = [(_vllm_prompt(p), limit) for p, limit in
+                    zip(prompts, max_tokens or [self.cfg.max_response_length] * len(prompts))]
         mine = slice(0, len(requests))
         if self.tp_group is not None:
             pooled = [None] * self.cfg.tensor_parallel_size
             dist.all_gather_object(pooled, requests, group=self.tp_group)
             first = sum(len(part) for part in pooled[: dist.get_rank() % self.cfg.tensor_parallel_size])
             requests, mine = [r for part in pooled for r in part], slice(first, first + len(requests))
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
-                                max_tokens=self.cfg.max_response_length, logprobs=0, logit_bias=self.logit_bias or None)
+        if not requests:
+            return []
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=self.cfg.top_k, max_tokens=limit,
+                                 logprobs=0, logit_bias=self.logit_bias or None) for _, limit in requests]
         with sampling_rng(self.seeds.next(version, call_purpose(validation, greedy)), self.device):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
+            outputs = self.llm.generate([prompt for prompt, _ in requests], params, use_tqdm=False)[mine]
         return [[Response(token_ids=list(o.token_ids),
                           logprobs=[next(iter(step.values())).logprob for step in o.logprobs],
                           truncated=o.finish_reason == "length")
@@ -396,30 +425,35 @@ class HFRollout:
         self.weights_version = version
 
     @torch.no_grad()
-    def generate(self, prompts: list[PromptItem], version: int, validation: bool = False,
-                 greedy: bool = False) -> list[list[Response]]:
-        """Same contract as VLLMRollout.generate (text prompts only)."""
+    def generate(self, prompts: list[PromptItem], version: int, validation: bool = False, greedy: bool = False,
+                 n: int | None = None, max_tokens: list[int] | None = None) -> list[list[Response]]:
+        """Same contract as VLLMRollout.generate (text prompts only). Every call gathers the weights (a collective),
+        so a rank with no prompts still calls it when others do (tools.py keeps the ranks in step)."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         check_version(self, version)
         if any(p.get("images") for p in prompts):
             raise ValueError("the hf rollout engine generates from text prompts only; use --rollout.engine vllm "
                                       "for image rows")
-        n, temperature, top_p = sampling(self.cfg, validation, greedy)
+        count, temperature, top_p = sampling(self.cfg, validation, greedy)
+        n = n or count
+        limits = max_tokens or [self.cfg.max_response_length] * len(prompts)
         # left padding: every prompt ends where generation starts
-        P = max(len(p["prompt_ids"]) for p in prompts)
+        P = max((len(p["prompt_ids"]) for p in prompts), default=0)
         input_ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)  # [prompts, P]
         attention_mask = torch.zeros(len(prompts), P, dtype=torch.long)  # [prompts, P]
         for i, p in enumerate(prompts):
             input_ids[i, P - len(p["prompt_ids"]):] = torch.tensor(p["prompt_ids"])
             attention_mask[i, P - len(p["prompt_ids"]):] = 1
         recorder = _SampledLogprobs(temperature, top_p, self.cfg.top_k, placeholder_token_ids(self.model.config))
-        config = GenerationConfig(do_sample=not greedy, num_return_sequences=n,
-                                  max_new_tokens=self.cfg.max_response_length, temperature=1.0, top_k=0, top_p=1.0,
-                                  repetition_penalty=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
         was_training = self.model.training
         seed = self.seeds.next(version, call_purpose(validation, greedy))
         with gathered(self.model), sampling_rng(seed, self.device):
+            if not prompts:
+                return []
+            config = GenerationConfig(do_sample=not greedy, num_return_sequences=n, max_new_tokens=max(limits),
+                                      temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
+                                      eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
             self.model.eval()
             try:
                 sequences = self.model.generate(input_ids=input_ids.to(self.device), generation_config=config,
@@ -430,9 +464,10 @@ class HFRollout:
         tokens = sequences[:, P:]  # [prompts * n, T], the n samples of a prompt in consecutive rows
         logprobs = recorder.finish(tokens)  # [prompts * n, T]
         responses = []
-        for row, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
-            end = next((t + 1 for t, token in enumerate(row) if token in self.eos_ids), None)
-            responses.append(Response(token_ids=row[:end], logprobs=row_logprobs[: end or len(row)],
+        for b, (row, row_logprobs) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+            limit = limits[b // n]  # a prompt's own limit, where the call's longest one let it run on
+            end = next((t + 1 for t, token in enumerate(row[:limit]) if token in self.eos_ids), None)
+            responses.append(Response(token_ids=row[: end or limit], logprobs=row_logprobs[: end or limit],
                                       truncated=end is None))
         return [responses[i * n : (i + 1) * n] for i in range(len(prompts))]
 

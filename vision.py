@@ -33,19 +33,40 @@ def placeholder_token_ids(config) -> list[int]:
     return [config.image_token_id, config.video_token_id] if is_vision_language(config) else []
 
 
-def expand_prompt(processor, item) -> tuple[list[int], dict | None]:
-    """(prompt ids with each `<|image_pad|>` repeated as often as its image has tokens, the image tensors)
-    for one dataset item; a text item is returned as it is, with None.
+def image_tokens(processor, image) -> int:
+    """Tokens the processor gives a PIL image (Qwen-VL: its patches after the 2 x 2 merge): what its one
+    `<|image_pad|>` becomes in the engine and in the trainer."""
+    images = processor.image_processor
+    return images.get_number_of_image_patches(image.height, image.width) // images.merge_size**2
+
+
+def expand_images(processor, pieces: list[list], images: list) -> tuple[list[list[int]], dict | None]:
+    """How often each token of `pieces` (the parts of one sequence: prompt ids, response ids) is repeated so that
+    every `<|image_pad|>` becomes as many as its image has tokens (images in order over the pieces), and the image
+    tensors; a piece's repeats are applied to anything aligned with it (its mask, its log-probs) by `repeat`.
+    Without images: all ones, and None.
 
     A 112 x 84 image with 14-pixel patches is 8 x 6 patches, 12 tokens after the 2 x 2 merge.
     """
-    if not item["images"]:
-        return item["prompt_ids"], None
-    images = processor.image_processor(images=item["images"], return_tensors="pt")
-    counts = iter((images["image_grid_thw"].prod(-1) // processor.image_processor.merge_size**2).tolist())
+    if not images:
+        return [[1] * len(piece) for piece in pieces], None
+    tensors = processor.image_processor(images=images, return_tensors="pt")
+    counts = iter((tensors["image_grid_thw"].prod(-1) // processor.image_processor.merge_size**2).tolist())
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    ids = [token for t in item["prompt_ids"] for token in ([t] * next(counts) if t == pad else [t])]
-    return ids, {"pixel_values": images["pixel_values"], "image_grid_thw": images["image_grid_thw"]}
+    repeats = [[next(counts) if token == pad else 1 for token in piece] for piece in pieces]
+    return repeats, {"pixel_values": tensors["pixel_values"], "image_grid_thw": tensors["image_grid_thw"]}
+
+
+def repeat(values: list, repeats: list[int]) -> list:
+    """[a, b, c] repeated [1, 3, 1] -> [a, b, b, b, c]."""
+    return [value for value, times in zip(values, repeats) for _ in range(times)]
+
+
+def expand_prompt(processor, item) -> tuple[list[int], dict | None]:
+    """(prompt ids with each `<|image_pad|>` repeated as often as its image has tokens, the image tensors) for one
+    dataset item; a text item is returned as it is, with None."""
+    (repeats,), tensors = expand_images(processor, [item["prompt_ids"]], item["images"])
+    return repeat(item["prompt_ids"], repeats), tensors
 
 
 def vision_inputs(model, input_ids: torch.Tensor, vision: list[dict | None] | None) -> dict:
@@ -57,7 +78,7 @@ def vision_inputs(model, input_ids: torch.Tensor, vision: list[dict | None] | No
     device = input_ids.device
     return {"pixel_values": torch.cat([v["pixel_values"] for v in rows]).to(device),
             "image_grid_thw": torch.cat([v["image_grid_thw"] for v in rows]).to(device),
-            "mm_token_type_ids": (input_ids == model.config.image_token_id).int()}  # 1 on image tokens (prompt only)
+            "mm_token_type_ids": (input_ids == model.config.image_token_id).int()}  # 1 on image tokens
 
 
 def keep_vision_tower_in_step(model) -> None:

@@ -3,7 +3,7 @@ trainer's update against a bare FSDP2 loop, padding-free against padded, the log
 
     .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --n 8 --max-tokens 512
-    .venv/bin/python benchmarks/bench.py --only trainer    # the trainer's half (--only rollout: the other)
+    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer or tools
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -19,6 +19,9 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   ranks (plumbing/balance.py), seconds per update;
 - logits: peak memory of the log-probs' forward and backward with a 152k vocabulary, the full-logits
   computation of before against the chunked head (each in a fresh process).
+- tools (`--only tools`): the time in tools. A turn's calls, all at once (tools.run_calls) against one after
+  another, for calls that sleep 0.2 s (a tool waiting on I/O); the threads' own cost; and the built-in tool task's job
+  (`grpo.py toy_tools`): its mean time per phase and the seconds its episodes spent in the tool.
 """
 
 import argparse
@@ -318,9 +321,51 @@ def trainer_tables(args) -> None:
           f"| chunked head, 1,024 tokens a chunk (now) | {chunked:.2f} |")
 
 
+def tools_tables(args) -> None:
+    import threading
+
+    from tools import ToolCall, call_tool, run_calls
+
+    def wait(seconds: float) -> str:
+        """Wait, as a tool waiting on a server does.
+
+        Args:
+            seconds: how long
+        """
+        threading.Event().wait(seconds)
+        return "done"
+
+    tools, call = {"wait": wait}, ToolCall("wait", {"seconds": 0.2})
+    print("| calls of a tool that waits 0.2 s | all at once (run_calls) | one after another |\n|---|---|---|")
+    for count in (1, 16, 128):
+        start = time.perf_counter()
+        run_calls(tools, [(call, {}, [])] * count, timeout=10, images_ok=False)
+        together = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(count):
+            call_tool(tools, call, {}, [], images_ok=False)
+        print(f"| {count} | {together:.2f} s | {time.perf_counter() - start:.2f} s |")
+    start = time.perf_counter()
+    run_calls({"wait": wait}, [(ToolCall("wait", {"seconds": 0.0}), {}, [])] * 256, timeout=10, images_ok=False)
+    print(f"\nThe threads' own cost: 256 calls of a tool that returns at once, {time.perf_counter() - start:.3f} s.")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", "29535", "grpo.py", "toy_tools", "--trainer.total-steps", str(args.steps),
+                        "--trainer.output-dir", tmp, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+                        "--trainer.no-save-final"], check=True, cwd=ROOT, capture_output=not args.verbose)
+        lines = [json.loads(line) for line in (Path(tmp) / "toy_tools" / "metrics.jsonl").read_text().splitlines()]
+    lines = lines[1:]  # the first step includes vLLM's one-off warm-up
+    keys = [k for k in lines[0] if k.startswith("timing/")] + ["episode/turns", "episode/tool_calls",
+                                                               "episode/tool_seconds"]
+    print(f"\nThe built-in tool task, mean over steps 2-{args.steps} (`torchrun --nproc_per_node 2 grpo.py toy_tools`, "
+          "512 episodes a step; episode/*: per episode):\n\n| measure | value |\n|---|---|")
+    for key in keys:
+        print(f"| {key} | {sum(m[key] for m in lines) / len(lines):.4g} |")
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=["rollout", "trainer"], help="one half of the benchmark")
+    parser.add_argument("--only", choices=["rollout", "trainer", "tools"], help="one part of the benchmark")
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=8)
@@ -343,10 +388,12 @@ def main():
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has a result; the ranks' timings differ
             Path(args.out).write_text(json.dumps(result))
         return
-    if args.only != "trainer":
+    if args.only in (None, "rollout"):
         rollout_tables(argparse.Namespace(**vars(args)))
-    if args.only != "rollout":
+    if args.only in (None, "trainer"):
         trainer_tables(args)
+    if args.only in (None, "tools"):
+        tools_tables(args)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,9 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, advantage_
               "trainer.save-freq": (t.save_freq, 0), "trainer.val-freq": (t.val_freq, 0),
               "trainer.save-limit": (t.save_limit, 0), "actor.lr": (a.lr, 0), "actor.warmup-steps": (a.warmup_steps, 0),
               "actor.micro-batch-size": (a.micro_batch_size, 1), "rollout.n": (n, 1), "rollout.val-n": (r.val_n, 1),
-              "rollout.max-response-length": (r.max_response_length, 1),
+              "rollout.max-response-length": (r.max_response_length, 1), "rollout.max-turns": (r.max_turns, 1),
+              "rollout.max-turn-tokens": (r.max_turn_tokens, 0), "rollout.tool-timeout": (r.tool_timeout, 0),
+              "rollout.max-tool-errors": (r.max_tool_errors, 0),
               "rollout.val-temperature": (r.val_temperature, 0),
               "data.max-prompt-length": (cfg.data.max_prompt_length, 1),
               "algorithm.kl-coef": (cfg.algorithm.kl_coef, 0)}

@@ -87,7 +87,7 @@ class RecordingLLM:
         sample = SimpleNamespace(token_ids=[5, EOS],
                                  logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {EOS: SimpleNamespace(logprob=-0.5)}],
                                  finish_reason="stop")
-        return [SimpleNamespace(outputs=[sample] * params.n) for _ in requests]
+        return [SimpleNamespace(outputs=[sample] * request_params.n) for request_params in params]  # one per request
 
 
 @pytest.fixture

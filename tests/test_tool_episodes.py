@@ -1,0 +1,76 @@
+"""Multi-turn tool episodes (tools.py) on the real engines under torchrun, and the `toy_tools` entry point.
+
+tests/tools_worker.py plays episodes whose every turn calls a tool, on two ranks whose episodes last different numbers
+of turns (rank 0: 3, rank 1: 1, its tool failing), with a recorder around the engine: token in, token out (each
+turn's prompt is the episode so far, exactly; the response is the sampled turns and the rendered tool turns), then
+the trainer's batch of the same episodes, with the holes of the tool turns in its mask and a tool's image expanded
+into its tokens: the trainer's log-probs match the engine's on every generated token, packed as padded.
+"""
+
+import json
+
+import pytest
+
+from conftest import ENGINE_GAP, FAST, torchrun
+
+pytestmark = pytest.mark.slow
+
+TURNS = 3  # tools_worker.MAX_TURNS
+BUDGET = {"qwen2_5_bpe": 96, "qwen2_5_vl": 128}  # tools_worker.BUDGET
+
+
+@pytest.mark.parametrize("engine, architecture", [("vllm", "qwen2_5_bpe"), ("hf", "qwen2_5_bpe"),
+                                                  ("vllm", "qwen2_5_vl")])
+def test_episodes_are_token_in_token_out_in_lockstep_and_the_trainer_scores_them_as_sampled(tmp_path, engine,
+                                                                                            architecture):
+    """Rank 0's episodes run 3 turns, rank 1's end after its first (a failed call, --rollout.max-tool-errors 1),
+    yet both ranks make the same engine calls (rank 1 joins turns 2 and 3 with nothing to generate: for the hf
+    engine each call gathers the FSDP2 weights, so a rank that skipped one would hang the other until the timeout).
+    Every later turn's prompt is the prompt plus the episode's tokens so far, the sampled ids never re-tokenized;
+    the tool turns are masked out; a tool's crop of the picture reaches vLLM and the trainer as its image tokens."""
+    out = tmp_path / "result.json"
+    torchrun(["tests/tools_worker.py", engine, architecture, str(out)], timeout=300)
+    ranks = json.loads(out.read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    first, second = ranks
+    assert first["turns"] == [TURNS] * 12 and set(first["stop_reasons"]) == {"max_turns"}
+    assert first["tool_calls"] == [TURNS - 1] * 12 and set(first["tool_errors"]) == {0}
+    assert second["turns"] == [1] * 12 and set(second["stop_reasons"]) == {"tool_errors"}
+    assert second["tool_errors"] == [1] * 12
+    assert first["engine_calls"] == second["engine_calls"] == TURNS, "the ranks must take every turn together"
+    for r in ranks:
+        assert all(r["checks"].values()), r["checks"]
+        assert max(r["lengths"]) <= BUDGET[architecture]
+        assert r["gap"] < ENGINE_GAP, "the trainer's log-probs of the generated tokens must match the engine's"
+        assert r["packed_vs_padded"] < 1e-5
+    # the tool turns are in the responses, masked: most of rank 0's tokens; none of rank 1's (no tool turn)
+    assert first["masked_tokens"] > first["generated_tokens"] / 2 and 0 < first["masked_share"] < 1
+    assert second["masked_tokens"] == 0
+    if architecture == "qwen2_5_vl":  # each of rank 0's 2 tool turns shows a 56 x 56 crop: 4 image tokens, masked
+        assert first["tool_images"] == 2 * 12 and first["tool_image_tokens"] == 4 * first["tool_images"]
+        assert first["image_slots_in_responses"] == first["tool_image_tokens"] and first["image_slots_masked"]
+        assert first["rows_with_vision"] == second["rows_with_vision"] == 12
+    else:
+        assert first["tool_images"] == 0 and first["rows_with_vision"] == 0
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_the_toy_tools_preset_trains_two_steps(tmp_path, engine):
+    """`grpo.py toy_tools`, both engines, two ranks, two steps: the episode metrics are logged and sane (at most
+    the preset's --rollout.max-turns 3 turns, a share of masked tool tokens, stop reasons that add up), and the engine's
+    log-probs match the trainer's on the generated tokens of multi-turn responses."""
+    torchrun(["grpo.py", "toy_tools", "--rollout.engine", engine, "--trainer.total-steps", "2",
+              "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+              "--trainer.save-freq", "0", "--trainer.no-save-final", *FAST], timeout=300)
+    metrics = [json.loads(line) for line in (tmp_path / "toy_tools" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert 1 <= m["episode/turns"] <= 3
+        assert 0 <= m["episode/tool_calls"] <= m["episode/turns"] and m["episode/tool_errors"] == 0
+        assert 0 <= m["episode/masked_share"] < 1
+        stops = {key: value for key, value in m.items() if key.startswith("episode/stop_")}
+        assert set(stops) == {f"episode/stop_{reason}" for reason in ("answered", "max_turns", "length", "tool_errors")}
+        assert sum(stops.values()) == pytest.approx(1.0)
+        assert m["rollout/logprob_diff_max"] < ENGINE_GAP
+    # a random model's turns seldom begin with a digit, and any other turn is the toy parser's call: tool turns happen
+    assert all(m["episode/tool_calls"] > 0.5 and m["episode/masked_share"] > 0.5 for m in metrics)

@@ -1,0 +1,633 @@
+"""Multi-turn episodes with tool calls (tools.py), in-process and on the CPU: the parsers, loading tools and their
+schemas, the calculator, calls that fail in every way, and ToolRollout's episode loop driven by a scripted engine.
+
+The episode tests use the character tokenizer (plumbing/tiny.py: one token per character), so every expected
+token list is spelled out by hand with `ids`; the real Qwen2.5 vocabulary checks that a tool turn tokenized on
+its own is what the whole conversation's rendering gives (token in, token out). Engines under torchrun:
+tests/tools_worker.py.
+"""
+
+import string
+import sys
+import threading
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, AutoTokenizer
+
+from data import toy_tool_rows
+from plumbing.tiny import build_qwen_tokenizer, build_tiny_model, build_tokenizer
+from rewards import RewardInput, toy_tools_reward
+from rollout import Response, RolloutConfig
+from tools import (Episode, ToolCall, ToolRollout, calculate, call_tool, episode_metrics, load_parser, load_tools,
+                   parse_qwen, parse_toy, run_calls, tool_content, tool_schema)
+from vision import repeat
+
+# the character tokenizer's ids (plumbing/tiny.py): 8 specials, then printable ASCII in string.printable's order
+IM_START, IM_END = 1, 2
+VISION_START, VISION_END, IMAGE_PAD = 4, 5, 6
+CHARACTERS = [c for c in string.printable if c not in "\r\x0b\x0c"]
+QWEN_IM_END = 151645
+
+
+def ids(text: str) -> list[int]:
+    """The character tokenizer's ids of `text`: '0' is 8, 'a' is 18, '\\n' is 104."""
+    return [8 + CHARACTERS.index(c) for c in text]
+
+
+def tool_turn(content: str, inserted_end: bool = False) -> list[int]:
+    """The tokens the loop appends after a turn that called the toy tool: the end token when the turn was cut
+    before it, the newline after `<|im_end|>`, the tool message and the next assistant header (21 tokens for one
+    character of content)."""
+    return (([IM_END] if inserted_end else []) + ids("\n") + [IM_START] + ids("tool\n" + content) + [IM_END]
+            + ids("\n") + [IM_START] + ids("assistant\n"))
+
+
+PROMPT = [IM_START] + ids("user\nierq") + [IM_END] + ids("\n") + [IM_START] + ids("assistant\n")
+
+
+def item(answer: str = "7", prompt: list[int] = PROMPT) -> dict:
+    return {"prompt_ids": list(prompt), "images": [], "row": {"problem": "ierq", "answer": answer}}
+
+
+def turn(text: str, end: bool = True, logprob: float = -0.5) -> Response:
+    """A generated turn of the character tokenizer: `text`, then the end token unless it was cut (truncated)."""
+    token_ids = ids(text) + ([IM_END] if end else [])
+    return Response(token_ids, [logprob] * len(token_ids), truncated=not end)
+
+
+class ScriptedEngine:
+    """Stands in for a rollout engine: each generate call returns the next entry of `script` (one list of turns per
+    prompt) and records the call's prompt ids, images, n, max_tokens and sampling mode."""
+
+    weights_version = 3
+
+    def __init__(self, script: list[list[list[Response]]]):
+        self.script, self.calls = list(script), []
+
+    def generate(self, prompts, version, validation=False, greedy=False, n=None, max_tokens=None):
+        self.calls.append({"prompt_ids": [list(p["prompt_ids"]) for p in prompts], "n": n,
+                           "images": [list(p["images"]) for p in prompts],
+                           "max_tokens": list(max_tokens), "validation": validation, "greedy": greedy})
+        return self.script.pop(0)
+
+
+def play(tokenizer, script, items=None, tools=None, greedy=False,
+         **changes) -> tuple[list[list[Response]], ScriptedEngine]:
+    """Episodes of the toy task (lookup tool, `?` parser) for `items` (one prompt whose answer is 7 by default)."""
+    settings = dict(tools="toy", tool_parser="toy", n=1, max_response_length=64, max_turns=4, max_turn_tokens=0)
+    engine = ScriptedEngine(script)
+    rollout = ToolRollout(engine, RolloutConfig(**{**settings, **changes}), tools or load_tools("toy"), tokenizer,
+                          None, torch.device("cpu"))
+    return rollout.generate(items or [item()], 3, greedy=greedy), engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(build_tiny_model("qwen2", tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    return build_qwen_tokenizer()
+
+
+# ---- parsers ---------------------------------------------------------------------------------------------------
+
+
+def test_parse_qwen_reads_one_call_two_calls_and_string_arguments():
+    """Qwen's <tool_call> JSON: one call, two calls in one turn (in order), arguments written as a JSON string."""
+    assert parse_qwen('<tool_call>\n{"name": "lookup", "arguments": {"key": "a"}}\n</tool_call>') == [
+        ToolCall("lookup", {"key": "a"})]
+    two = ('Let me check.<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> and '
+           '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
+    assert parse_qwen(two) == [ToolCall("f", {"x": 1}), ToolCall("g", {})]
+    as_string = '<tool_call>{"name": "calculate", "arguments": "{\\"expression\\": \\"6*7\\"}"}</tool_call>'
+    assert parse_qwen(as_string) == [ToolCall("calculate", {"expression": "6*7"})]
+
+
+def test_parse_qwen_turns_a_malformed_call_into_an_error_and_no_call_into_nothing():
+    """Broken JSON, an object without a name, non-object arguments: a call named "" with an error; no tags: []."""
+    [broken] = parse_qwen('<tool_call>{"name": "f", "arguments": {</tool_call>')
+    assert broken.name == "" and broken.arguments == {} and broken.error.startswith("the tool call is not JSON")
+    for body in ['{"arguments": {"x": 1}}', '{"name": "f", "arguments": [1, 2]}', '{"name": "f", "arguments": "7"}',
+                 '[1, 2]', '{"name": 5, "arguments": {}}']:
+        [call] = parse_qwen(f"<tool_call>{body}</tool_call>")
+        assert call.name == "" and call.arguments == {} and call.error.startswith("a tool call is {"), body
+    assert parse_qwen("The answer is 42.") == [] and parse_qwen("<tool_call>never closed") == []
+
+
+def test_parse_toy_calls_lookup_unless_the_turn_begins_with_a_digit():
+    """The toy syntax: a turn that begins with a digit (spaces aside) is an answer, any other turn one lookup call."""
+    assert parse_toy("?") == parse_toy("ab7") == parse_toy("") == parse_toy(" x1") == [ToolCall("lookup", {})]
+    assert parse_toy("7") == parse_toy(" 3ab") == parse_toy("\n0?") == []
+
+
+def test_load_parser_by_name_or_from_a_file(tmp_path):
+    """A built-in parser by name; `file.py:function` loads that function; a missing function or a bad spec fails."""
+    assert load_parser("qwen") is parse_qwen and load_parser("toy") is parse_toy
+    path = tmp_path / "bang_parser.py"
+    path.write_text("from tools import ToolCall\n\n\ndef bang(text):\n"
+                    "    return [ToolCall('ping', {})] * text.count('!')\n")
+    assert load_parser(f"{path}:bang")("a!b!") == [ToolCall("ping", {}), ToolCall("ping", {})]
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        load_parser(f"{path}:nope")
+    with pytest.raises(ValueError, match="--rollout.tool-parser"):
+        load_parser("hermes")
+
+
+# ---- loading tools and their schemas -----------------------------------------------------------------------
+
+
+def test_load_tools_builtins():
+    """The built-in sets: toy is the lookup tool, calculator the calculate tool."""
+    assert list(load_tools("toy")) == ["lookup"] and load_tools("toy")["lookup"]({"answer": 4}) == "4"
+    assert list(load_tools("calculator")) == ["calculate"]
+
+
+def test_load_tools_takes_a_files_public_functions_or_its_tools_list(tmp_path):
+    """A file's own public functions (not private, imported or classes) are its tools; a TOOLS list names them."""
+    public = tmp_path / "my_tools.py"
+    public.write_text("from json import dumps\n\nclass Table:\n    pass\n\ndef add(a: int, b: int) -> str:\n"
+                      "    return str(a + b)\n\ndef shout(text: str) -> str:\n    return text.upper()\n\n"
+                      "def _helper():\n    return 1\n")
+    tools = load_tools(str(public))
+    assert sorted(tools) == ["add", "shout"] and tools["add"](a=2, b=3) == "5"
+    listed = tmp_path / "listed_tools.py"
+    listed.write_text("def add(a: int) -> str:\n    return str(a)\n\ndef shout(text: str) -> str:\n    return text\n\n"
+                      "TOOLS = [shout]\n")
+    assert list(load_tools(str(listed))) == ["shout"]
+
+
+def test_load_tools_fails_naming_the_flag(tmp_path, monkeypatch):
+    """Missing file, no function, no such module: ValueError naming --rollout.tools; a module's functions load."""
+    with pytest.raises(ValueError, match="--rollout.tools .*no such file"):
+        load_tools(str(tmp_path / "absent.py"))
+    empty = tmp_path / "no_functions.py"
+    empty.write_text("VALUE = 3\n")
+    with pytest.raises(ValueError, match="--rollout.tools .*defines no function"):
+        load_tools(str(empty))
+    with pytest.raises(ValueError, match="--rollout.tools .*importable module"):
+        load_tools("no_such_module_of_tools")
+    (tmp_path / "importable_tools_for_test.py").write_text("def double(x: int) -> str:\n    return str(2 * x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tools = load_tools("importable_tools_for_test")
+    assert list(tools) == ["double"] and tools["double"](x=4) == "8"
+    sys.modules.pop("importable_tools_for_test", None)
+
+
+def search(query: str, limit: int, exact: bool = False, row: dict = None, images: list = None) -> str:
+    """Search the notes for a query.
+
+    Args:
+        query: the words to look for
+        limit: how many notes to return at most
+        exact: match the whole query only
+    """
+    return ""
+
+
+def test_tool_schema_of_a_typed_documented_function_leaves_out_the_injected_parameters():
+    """Name, description, types, descriptions and `required` of a typed function; no `row`, no `images`."""
+    assert tool_schema(search) == {"type": "function", "function": {
+        "name": "search", "description": "Search the notes for a query.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": "the words to look for"},
+            "limit": {"type": "integer", "description": "how many notes to return at most"},
+            "exact": {"type": "boolean", "description": "match the whole query only"}},
+            "required": ["query", "limit"]},
+        "return": {"type": "string"}}}
+    assert tool_schema(search)["function"]["parameters"]["properties"].keys() == {"query", "limit", "exact"}
+    assert tool_schema(load_tools("toy")["lookup"])["function"]["parameters"] == {"type": "object", "properties": {}}
+
+
+def test_tool_schema_refuses_a_parameter_without_a_type_or_a_description():
+    """No type hint, or no `Args:` line for a parameter: ValueError naming the tool."""
+    def untyped(x) -> str:
+        """Do it.
+
+        Args:
+            x: the input
+        """
+
+    def undocumented(x: int) -> str:
+        """Do it."""
+
+    for fn in untyped, undocumented:
+        with pytest.raises(ValueError, match=f"tool '{fn.__name__}'"):
+            tool_schema(fn)
+
+
+# ---- the calculator ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("expression, value", [("(3 + 4) * 12 / 7", "12.0"), ("2**10", "1024"), ("7 // 2", "3"),
+                                               ("-7 % 3", "2"), ("0.1 + 0.2", "0.3"), ("+5 - -2", "7")])
+def test_calculate_evaluates_arithmetic(expression, value):
+    """Arithmetic with hand-computed values: true and floor division, powers, modulo, rounding, unary signs."""
+    # 7 * 12 / 7 = 12.0 (a float: true division); -7 % 3 = 2 (-7 = -3 * 3 + 2); 0.1 + 0.2 rounded to 10 places
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize("expression", ["__import__('os')", "x + 1", "abs(-1)", "'a' * 3", "2**101", "10**-200",
+                                        "[1, 2]"])
+def test_calculate_refuses_names_calls_and_huge_exponents(expression):
+    """Anything but numbers and arithmetic operators, and an exponent over 100, raises ValueError."""
+    with pytest.raises(ValueError):
+        calculate(expression)
+
+
+def test_calculate_refuses_a_power_whose_result_is_huge_before_computing_it():
+    """A power whose result is huge is refused by the guard, as a huge exponent is, before it is computed."""
+    # every exponent is 99, under the guard's 100, yet ((9^99)^99)^99 has 925,081 digits; today it raises only when
+    # str() meets Python's 4300-digit limit, after computing it. One level more (92 million digits) runs for
+    # minutes inside one C call that holds the GIL, so --rollout.tool-timeout cannot end it.
+    with pytest.raises(ValueError, match="too large"):
+        calculate("((9**99)**99)**99")
+
+
+# ---- calls ----------------------------------------------------------------------------------------------------
+
+
+def echo(x: int, row: dict, images: list) -> str:
+    """Echo.
+
+    Args:
+        x: a number
+    """
+    return f"{x} {row['answer']} {len(images)}"
+
+
+def broken() -> str:
+    """Fail."""
+    raise KeyError("gone")
+
+
+def picture() -> Image.Image:
+    """A picture."""
+    return Image.new("RGB", (4, 4), (255, 0, 0))
+
+
+def returns(value):
+    def tool() -> str:
+        """Return a fixed value."""
+        return value
+    return tool
+
+
+TOOLS = {"echo": echo, "broken": broken, "picture": picture}
+
+
+def test_call_tool_injects_row_and_images_and_returns_text():
+    """A tool that declares `row` and `images` gets the episode's; its text is the content."""
+    result = call_tool(TOOLS, ToolCall("echo", {"x": 5}), {"answer": "7"}, [picture(), picture()], images_ok=False)
+    assert result.content == ["5 7 2"] and result.error == ""
+
+
+def test_call_tool_turns_every_failure_into_an_error_message():
+    """Raised, unknown tool, missing/extra/injected arguments, unparsed call: content is ['error: <why>']."""
+    def error_of(call: ToolCall) -> str:
+        result = call_tool(TOOLS, call, {"answer": "7"}, [], images_ok=False)
+        assert result.content == [f"error: {result.error}"] and result.error
+        return result.error
+
+    assert error_of(ToolCall("broken", {})) == "broken raised KeyError: 'gone'"
+    assert error_of(ToolCall("nope", {})) == "no tool named 'nope'; the tools are echo, broken, picture"
+    assert error_of(ToolCall("echo", {})).startswith("bad arguments for echo:")
+    assert error_of(ToolCall("echo", {"x": 1, "y": 2})).startswith("bad arguments for echo:")
+    assert error_of(ToolCall("echo", {"x": 1, "row": {"answer": "0"}})) == "echo takes no argument ['row']"
+    assert error_of(ToolCall("", {}, "the tool call is not JSON")) == "the tool call is not JSON"
+
+
+@pytest.mark.parametrize("value", [{"a": 1}, None, 42, [], ["text", 3]])
+def test_call_tool_refuses_a_result_that_is_neither_text_nor_an_image(value):
+    """A dict, None, a number, an empty list, a list with a non-text part: an error, not content."""
+    result = call_tool({"tool": returns(value)}, ToolCall("tool", {}), {}, [], images_ok=True)
+    assert result.error.startswith("tool returned ") and result.content == [f"error: {result.error}"]
+
+
+def test_an_image_result_needs_a_model_that_reads_images():
+    """images_ok=False: an image result is an error; True: the content holds the PIL image (a list keeps order)."""
+    refused = call_tool(TOOLS, ToolCall("picture", {}), {}, [], images_ok=False)
+    assert refused.error == "picture returned an image, but the model reads text only"
+    accepted = call_tool(TOOLS, ToolCall("picture", {}), {}, [], images_ok=True)
+    [image] = accepted.content
+    assert accepted.error == "" and isinstance(image, Image.Image) and image.getpixel((0, 0)) == (255, 0, 0)
+    mixed = call_tool({"tool": returns(["a crop:", image])}, ToolCall("tool", {}), {}, [], images_ok=True)
+    assert mixed.content == ["a crop:", image]
+    assert tool_content(mixed.content) == [{"type": "text", "text": "a crop:"}, {"type": "image", "image": image}]
+    assert tool_content(["a", "b"]) == "a\nb"
+
+
+def test_run_calls_gives_each_call_its_own_row_and_images():
+    """Results come back in the order of the calls, each with its own row and images."""
+    calls = [(ToolCall("echo", {"x": 1}), {"answer": "a"}, []), (ToolCall("echo", {"x": 2}), {"answer": "b"},
+                                                                  [picture()])]
+    assert [r.content for r in run_calls(TOOLS, calls, 5.0, images_ok=False)] == [["1 a 0"], ["2 b 1"]]
+
+
+def test_a_call_past_the_timeout_gets_an_error_while_a_fast_one_gets_its_result():
+    """A call blocked past the timeout gets 'timed out'; the fast call of the same batch gets its result."""
+    # the blocked call is released afterwards (so its thread ends); its late result changes nothing
+    release, finished = threading.Event(), threading.Event()
+
+    def wait() -> str:
+        """Wait for the test."""
+        release.wait(30)
+        finished.set()
+        return "late"
+
+    calls = [(ToolCall("wait", {}), {}, []), (ToolCall("quick", {}), {}, [])]
+    try:
+        results = run_calls({"wait": wait, "quick": returns("quick")}, calls, 1.0, images_ok=False)
+    finally:
+        release.set()
+    assert finished.wait(10)
+    assert results[0].error == "timed out after 1 s"
+    assert results[0].content == ["error: wait ran past the time limit of 1 s"]
+    assert results[1].content == ["quick"] and results[1].error == ""
+
+
+def test_run_calls_runs_the_calls_at_once():
+    """N calls that each wait for all N at a barrier all succeed: only possible if they run at the same time."""
+    n = 4
+    barrier = threading.Barrier(n, timeout=5)
+
+    def meet() -> str:
+        """Wait for the others."""
+        barrier.wait()
+        return "met"
+
+    results = run_calls({"meet": meet}, [(ToolCall("meet", {}), {}, [])] * n, 0, images_ok=False)
+    assert [r.content for r in results] == [["met"]] * n
+
+
+# ---- the episode loop (character tokenizer, scripted engine) -----------------------------------------------------
+
+
+def test_the_character_vocabulary_is_as_the_expectations_spell_it(tokenizer):
+    """`ids` agrees with the tokenizer ('0' 8, 'a' 18, '\\n' 104; <|im_start|> 1, <|im_end|> 2)."""
+    assert ids("0a\n") == [8, 18, 104]
+    assert tokenizer.encode("<|im_start|>ab?\n7<|im_end|>", add_special_tokens=False) == [1, 18, 19, 90, 104, 15, 2]
+    assert tokenizer.eos_token_id == IM_END
+
+
+def test_an_episode_that_calls_the_tool_then_answers(tokenizer, world_of_one):
+    """Call, tool turn, answer: ids, mask and log-probs turn by turn; the tool turn is the template's text."""
+    [[response]], engine = play(tokenizer, [[[turn("?", logprob=-0.25)]], [[turn("7", logprob=-0.75)]]])
+    given = tool_turn("7")
+    assert len(given) == 21
+    assert response.token_ids == ids("?") + [IM_END] + given + ids("7") + [IM_END]
+    assert response.mask == [1, 1] + [0] * 21 + [1, 1]
+    assert response.logprobs == [-0.25, -0.25] + [0.0] * 21 + [-0.75, -0.75]
+    after_end = tokenizer.apply_chat_template([{"role": "assistant", "content": "a"}], tokenize=False).split(
+        "<|im_end|>")[-1]
+    tool_message = tokenizer.apply_chat_template([{"role": "tool", "content": "7"}], add_generation_prompt=True,
+                                                 tokenize=False)
+    assert after_end == "\n" and tokenizer.decode(given) == after_end + tool_message
+    assert tool_message == "<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    episode = response.episode
+    assert (episode.stop_reason, episode.turns, episode.tool_calls, episode.tool_errors) == ("answered", 2, 1, 0)
+    assert episode.messages == [{"role": "assistant", "content": "?", "tool_calls": [{"name": "lookup",
+                                                                                      "arguments": {}}]},
+                                {"role": "tool", "name": "lookup", "content": "7"},
+                                {"role": "assistant", "content": "7", "tool_calls": []}]
+    assert not response.truncated and response.images == [] and len(engine.calls) == 2
+
+
+@pytest.mark.parametrize("budget, turn_cap, max_tokens", [(64, 0, [64, 41]), (64, 30, [30, 30]), (40, 30, [30, 17]),
+                                                          (24, 0, [24, 1])])
+def test_the_next_turns_prompt_is_the_ids_so_far_and_its_limit_what_is_left(tokenizer, world_of_one, budget,
+                                                                             turn_cap, max_tokens):
+    """The next turn's prompt is the ids so far, exactly; its max_tokens what is left, at most the turn cap."""
+    # so far: turn 1 (2 tokens) + the tool turn (21) = 23; budget 24: the tool turn just fits, 1 token left
+    _, engine = play(tokenizer, [[[turn("?")]], [[turn("7")]]], max_response_length=budget, max_turn_tokens=turn_cap)
+    assert [call["prompt_ids"] for call in engine.calls] == [[PROMPT], [PROMPT + ids("?") + [IM_END] + tool_turn("7")]]
+    assert [call["max_tokens"] for call in engine.calls] == [[max_tokens[0]], [max_tokens[1]]]
+    assert [call["n"] for call in engine.calls] == [None, 1]  # the first call samples the group, each turn after one
+
+
+def test_a_turn_cut_by_the_cap_gets_the_end_token_before_the_tool_turn(tokenizer, world_of_one):
+    """A truncated turn 'a?b' (no end token) with a call: the end token is inserted, given (mask 0, log-prob 0)."""
+    [[response]], engine = play(tokenizer, [[[turn("a?b", end=False)]], [[turn("7")]]], max_turn_tokens=3)
+    assert response.token_ids == ids("a?b") + tool_turn("7", inserted_end=True) + ids("7") + [IM_END]
+    assert response.token_ids[3] == IM_END and response.mask == [1, 1, 1] + [0] * 22 + [1, 1]
+    assert response.logprobs[3:25] == [0.0] * 22
+    assert engine.calls[1]["prompt_ids"] == [PROMPT + ids("a?b") + tool_turn("7", inserted_end=True)]
+    assert [call["max_tokens"] for call in engine.calls] == [[3], [3]]
+    assert response.episode.stop_reason == "answered" and not response.truncated
+
+
+def test_a_call_in_the_last_allowed_turn_is_not_run(tokenizer, world_of_one):
+    """max_turns 2, both turns call: one tool turn, none after turn 2; stop reason max_turns."""
+    [[response]], engine = play(tokenizer, [[[turn("?")]], [[turn("x?")]]], max_turns=2)
+    assert response.token_ids == ids("?") + [IM_END] + tool_turn("7") + ids("x?") + [IM_END]
+    assert response.mask == [1, 1] + [0] * 21 + [1, 1, 1]
+    episode = response.episode
+    assert (episode.stop_reason, episode.turns, episode.tool_calls) == ("max_turns", 2, 1)
+    assert [m["role"] for m in episode.messages] == ["assistant", "tool", "assistant"]
+    assert episode.messages[2]["tool_calls"] == [{"name": "lookup", "arguments": {}}]
+    assert len(engine.calls) == 2 and not response.truncated
+
+
+def test_a_tool_turn_that_does_not_fit_the_budget_ends_the_episode(tokenizer, world_of_one):
+    """A tool turn that leaves no token to generate is not appended: stop reason length, truncated."""
+    # budget 23 = turn 1 (2 tokens) + the tool turn (21); the call itself did run
+    [[response]], engine = play(tokenizer, [[[turn("?")]]], max_response_length=23)
+    assert response.token_ids == ids("?") + [IM_END] and response.mask == [1, 1]
+    assert (response.episode.stop_reason, response.episode.tool_calls) == ("length", 1) and response.truncated
+    assert len(engine.calls) == 1
+
+
+def test_a_turn_that_fills_the_budget_or_is_cut_without_a_call_ends_with_length(tokenizer, world_of_one):
+    """A call in a turn that fills the budget is not run; a cut turn without a call ends: both length."""
+    [[full]], _ = play(tokenizer, [[[turn("ab?", end=False)]]], max_response_length=3)
+    assert (full.episode.stop_reason, full.episode.tool_calls, full.token_ids) == ("length", 0, ids("ab?"))
+    assert full.truncated
+    [[cut]], _ = play(tokenizer, [[[turn("123", end=False)]]], max_turn_tokens=3)
+    assert (cut.episode.stop_reason, cut.episode.turns, cut.truncated) == ("length", 1, True)
+
+
+def lookup(row: dict) -> str:
+    """Look up the answer, but the table is gone."""
+    raise RuntimeError("the table is gone")
+
+
+def test_failed_calls_end_the_episode_at_max_tool_errors_and_are_shown_below_it(tokenizer, world_of_one):
+    """At max_tool_errors a failed call ends the episode; below it the model reads the error and goes on."""
+    [[ended]], _ = play(tokenizer, [[[turn("?")]]], tools={"lookup": lookup}, max_tool_errors=1)
+    assert ended.token_ids == ids("?") + [IM_END] and not ended.truncated
+    assert (ended.episode.stop_reason, ended.episode.tool_errors, ended.episode.tool_calls) == ("tool_errors", 1, 1)
+    # the model never reads that last result: the call is in its turn, the result not in the messages
+    assert [m["role"] for m in ended.episode.messages] == ["assistant"]
+    assert ended.episode.messages[0]["tool_calls"] == [{"name": "lookup", "arguments": {}}]
+    message = "error: lookup raised RuntimeError: the table is gone"
+    [[shown]], _ = play(tokenizer, [[[turn("?")]], [[turn("7")]]], tools={"lookup": lookup}, max_tool_errors=2,
+                      max_response_length=128)  # the message's tool turn is 74 tokens
+    assert shown.token_ids == ids("?") + [IM_END] + tool_turn(message) + ids("7") + [IM_END]
+    assert (shown.episode.stop_reason, shown.episode.tool_errors) == ("answered", 1)
+
+
+def test_groups_of_several_samples_keep_their_prompts_and_rows(tokenizer, world_of_one):
+    """n=2 samples of 2 prompts: each episode keeps its group, prompt and row; greedy is passed on."""
+    first, second = item("3", PROMPT), item("8", PROMPT + ids("x"))
+    script = [[[turn("?"), turn("5")], [turn("6"), turn("b?")]], [[turn("3")], [turn("8")]]]
+    groups, engine = play(tokenizer, script, items=[first, second], greedy=True)
+    assert [len(group) for group in groups] == [2, 2]
+    assert groups[0][0].token_ids == ids("?") + [IM_END] + tool_turn("3") + ids("3") + [IM_END]
+    assert groups[0][1].token_ids == ids("5") + [IM_END] and groups[1][0].token_ids == ids("6") + [IM_END]
+    assert groups[1][1].token_ids == ids("b?") + [IM_END] + tool_turn("8") + ids("8") + [IM_END]
+    assert engine.calls[1]["prompt_ids"] == [PROMPT + ids("?") + [IM_END] + tool_turn("3"),
+                                             PROMPT + ids("x") + ids("b?") + [IM_END] + tool_turn("8")]
+    assert engine.calls[1]["n"] == 1 and all(call["greedy"] for call in engine.calls)
+    assert [r.episode.turns for group in groups for r in group] == [2, 1, 1, 2]
+
+
+def crop(images: list) -> list:
+    """The top-left quarter of the first image, with a caption."""
+    return ["here:", images[0].crop((0, 0, 56, 56))]
+
+
+@pytest.fixture(scope="module")
+def vl_processor(tmp_path_factory):
+    return AutoProcessor.from_pretrained(build_tiny_model("qwen2_vl", tmp_path_factory.mktemp("tiny_vl") / "model"))
+
+
+@pytest.mark.parametrize("budget", [34, 33])
+def test_an_image_from_a_tool_joins_the_episode_and_counts_its_tokens(vl_processor, world_of_one, budget):
+    """A tool's image joins the tool turn, the images and the next prompt, and its 4 tokens count in the budget."""
+    # the prompt's 112 x 112 image reaches the tool; its 56 x 56 crop is 4 image tokens, one <|image_pad|> in the
+    # ids: turn 1 (2) + the tool turn (28 ids) + 3 more for the image = 33. Budget 34 leaves 1 token for turn 2;
+    # budget 33 none, so the tool turn is not appended
+    image = Image.new("RGB", (112, 112), (0, 255, 0))
+    engine = ScriptedEngine([[[turn("?")]], [[turn("7")]]])
+    cfg = RolloutConfig(tools="crop", tool_parser="toy", n=1, max_response_length=budget)
+    rollout = ToolRollout(engine, cfg, {"lookup": crop}, vl_processor.tokenizer, vl_processor, torch.device("cpu"))
+    [[response]] = rollout.generate([{"prompt_ids": PROMPT, "images": [image], "row": {}}], 3)
+    given = (ids("\n") + [IM_START] + ids("tool\nhere:") + [VISION_START, IMAGE_PAD, VISION_END, IM_END] + ids("\n")
+             + [IM_START] + ids("assistant\n"))
+    assert len(given) == 28
+    if budget == 34:
+        assert response.token_ids == ids("?") + [IM_END] + given + ids("7") + [IM_END]
+        [crop_of_image] = response.images
+        assert crop_of_image.size == (56, 56) and crop_of_image.getpixel((0, 0)) == (0, 255, 0)
+        assert engine.calls[1]["max_tokens"] == [1] and response.episode.stop_reason == "answered"
+        assert engine.calls[1]["images"] == [[image, crop_of_image]]  # the prompt's, then the tool's
+    else:
+        assert response.token_ids == ids("?") + [IM_END] and response.images == [] and len(engine.calls) == 1
+        assert response.episode.stop_reason == "length" and response.truncated
+
+
+def test_the_wrapper_is_the_engine_for_everything_but_generate(tokenizer):
+    """weights_version (and sync, sleep, shutdown) are the engine's own."""
+    rollout = ToolRollout(ScriptedEngine([]), RolloutConfig(tools="toy", tool_parser="toy"), load_tools("toy"),
+                          tokenizer, None, torch.device("cpu"))
+    assert rollout.weights_version == 3
+
+
+def test_a_template_that_does_not_end_turns_with_the_end_token_is_refused():
+    """The loop must find the end token in the template's rendering of an assistant turn."""
+    plain = build_tokenizer()
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="does not close an assistant turn"):
+        ToolRollout(ScriptedEngine([]), RolloutConfig(tools="toy", tool_parser="toy"), load_tools("toy"), plain, None,
+                    torch.device("cpu"))
+
+
+def test_episode_metrics_on_hand_made_episodes(world_of_one):
+    """Means per episode and the masked share of all response tokens: 3 episodes, 14 tokens of which 5 masked."""
+    responses = [
+        Response([0] * 6, [0.0] * 6, False, mask=[1, 1, 0, 0, 0, 1],
+                 episode=Episode(turns=2, tool_calls=1, tool_seconds=0.5, stop_reason="answered")),
+        Response([0] * 4, [0.0] * 4, True, mask=[1, 1, 1, 1], episode=Episode(turns=1, stop_reason="length")),
+        Response([0] * 4, [0.0] * 4, False, mask=[1, 0, 0, 1],
+                 episode=Episode(turns=3, tool_calls=2, tool_errors=1, tool_seconds=1.0, stop_reason="max_turns")),
+    ]
+    metrics = {key: value.item() for key, value in episode_metrics(responses, torch.device("cpu")).items()}
+    assert metrics == pytest.approx({
+        "episode/masked_share": 5 / 14, "episode/turns": 2.0, "episode/tool_calls": 1.0, "episode/tool_errors": 1 / 3,
+        "episode/tool_seconds": 0.5, "episode/stop_answered": 1 / 3, "episode/stop_max_turns": 1 / 3,
+        "episode/stop_length": 1 / 3, "episode/stop_tool_errors": 0.0})
+
+
+# ---- the real Qwen2.5 vocabulary --------------------------------------------------------------------------------
+
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "6*7"}}\n</tool_call>'
+
+
+def test_the_tool_turn_on_its_own_agrees_with_the_whole_conversations_rendering(qwen_tokenizer, world_of_one):
+    """Real Qwen2.5 BPE: the loop's ids are the full rendering's for a canonical turn; a split turn keeps its ids."""
+    # the rendering: system, user, the assistant's call, the tool's result 42, the generation prompt. The same
+    # text in single-character tokens (a sample may split it so) is kept as sampled: re-tokenizing would not.
+    tok = qwen_tokenizer
+    tools = load_tools("calculator")
+    schemas = [tool_schema(fn) for fn in tools.values()]
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 6 times 7?"}]
+    prompt = tok.apply_chat_template(conversation, tools=schemas, add_generation_prompt=True, return_dict=False)
+    whole = tok.apply_chat_template(conversation + [
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "calculate", "arguments": {"expression": "6*7"}}]},
+        {"role": "tool", "content": "42"}], tools=schemas, add_generation_prompt=True, return_dict=False)
+    canonical = tok.encode(CALL, add_special_tokens=False) + [QWEN_IM_END]
+    by_character = [tok.convert_tokens_to_ids(tok.tokenize(c))[0] for c in CALL] + [QWEN_IM_END]
+    assert tok.decode(by_character) == tok.decode(canonical) == CALL + "<|im_end|>"
+    assert len(by_character) > len(canonical) and whole[:len(prompt) + len(canonical)] == prompt + canonical
+    given = whole[len(prompt) + len(canonical):]
+    assert tok.decode(given) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                                 "<|im_start|>assistant\n")
+    answer = tok.encode("It is 42.", add_special_tokens=False) + [QWEN_IM_END]
+    cfg = RolloutConfig(tools="calculator", tool_parser="qwen", n=1, max_response_length=256)
+    for generated in canonical, by_character:
+        engine = ScriptedEngine([[[Response(generated, [-0.5] * len(generated), False)]],
+                                 [[Response(answer, [-0.5] * len(answer), False)]]])
+        rollout = ToolRollout(engine, cfg, tools, tok, None, torch.device("cpu"))
+        [[response]] = rollout.generate([{"prompt_ids": prompt, "images": [], "row": {}}], 3)
+        assert engine.calls[1]["prompt_ids"] == [prompt + generated + given]
+        assert response.token_ids == generated + given + answer
+        assert response.mask == [1] * len(generated) + [0] * len(given) + [1] * len(answer)
+        assert response.episode.messages[:2] == [
+            {"role": "assistant", "content": CALL, "tool_calls": [{"name": "calculate",
+                                                                   "arguments": {"expression": "6*7"}}]},
+            {"role": "tool", "name": "calculate", "content": "42"}]
+    assert prompt + by_character + given != whole  # re-tokenizing would replace the sampled ids
+
+
+# ---- the task's data and reward, and repeat ------------------------------------------------------------------
+
+
+def rewarded(messages: list[dict], response: str) -> dict[str, float]:
+    return toy_tools_reward(RewardInput(response=response, response_length=len(response), ground_truth="7", prompt="",
+                                        row={}, images=[], messages=messages))
+
+
+def test_toy_tools_reward_on_its_docstring_examples():
+    """Ground truth 7: call + '7' -> 1.0, call + ' 7x' -> 1.0, call + '3' -> 0.2, call + 'x7' -> 0.2 (the answer
+    comes first), '7' without a call -> 0.0."""
+    called = [{"role": "assistant", "content": "?"}, {"role": "tool", "content": "7"}]
+    cases = [(called, "7", 1.0), (called, " 7x", 1.0), (called, "3", 0.2), (called, "x7", 0.2), ([], "7", 0.0)]
+    for turns, answer, overall in cases:
+        messages = turns + [{"role": "assistant", "content": answer}]
+        assert rewarded(messages, answer)["overall"] == pytest.approx(overall), answer
+
+
+def test_toy_tool_rows_are_four_letter_words_with_digit_answers():
+    """test: 50 seeded rows, 4 lowercase letters, a digit answer; train: 1024 other rows; other splits refused."""
+    rows = toy_tool_rows("test")
+    assert len(rows) == 50 and toy_tool_rows("test") == rows
+    assert all(len(r["problem"]) == 4 and set(r["problem"]) <= set(string.ascii_lowercase) for r in rows)
+    assert all(len(r["answer"]) == 1 and r["answer"].isdigit() for r in rows)
+    assert len(toy_tool_rows("train")) == 1024 and toy_tool_rows("train")[:50] != rows
+    with pytest.raises(ValueError, match="'train' and 'test'"):
+        toy_tool_rows("validation")
+
+
+def test_toy_tool_rows_first_test_row_is_the_docstrings():
+    """The docstring's example, `toy_tool_rows("test")[0]` -> {'problem': 'eszy', 'answer': '1'}, holds."""
+    assert toy_tool_rows("test")[0] == {"problem": "eszy", "answer": "1"}
+
+
+def test_repeat_repeats_each_value_its_times():
+    """[a, b, c] repeated [1, 3, 1] -> [a, b, b, b, c]; a zero drops a value."""
+    assert repeat(["a", "b", "c"], [1, 3, 1]) == ["a", "b", "b", "b", "c"]
+    assert repeat([1, 2], [0, 2]) == [2, 2]
+

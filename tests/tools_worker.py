@@ -1,0 +1,207 @@
+"""Run under torchrun by test_tool_episodes.py: multi-turn tool episodes (tools.ToolRollout) on a real engine, then
+the trainer's log-probs of the same episodes.
+
+argv: ENGINE (vllm | hf) ARCHITECTURE (qwen2_5_bpe | qwen2_5_vl) OUT. A random model never writes a real
+`<tool_call>`, so the parser (a file written here, passed as `path.py:function` as a user would) calls the one tool,
+`probe`, on every turn. Rank 0's tool answers (with a crop of the prompt's picture for the vision-language model),
+so its episodes run to --rollout.max-turns 3; rank 1's raises, and --rollout.max-tool-errors 1 ends its episodes
+after turn 1: rank 0 then generates turns 2 and 3 alone, which hangs unless rank 1 joins them (the hf engine gathers
+the FSDP2 weights in every generate call). The engine is wrapped in a recorder of every call, to check token in,
+token out: each later turn's prompt is the episode's prompt plus its response so far, exactly, and the response is
+its turns' sampled ids and its tool turns' rendered ids, nothing re-tokenized. The trainer's batch (grpo.batch_of)
+then gives log-probs, packed and padded, to compare with the engine's on the generated tokens.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from PIL import Image
+from transformers import AutoProcessor, AutoTokenizer
+
+from fsdp_utils import init_distributed, load_sharded_model
+from grpo import Group, batch_of
+from logprobs import batched_logprobs
+from plumbing.tiny import build_tiny_model
+from rollout import RolloutConfig, build_rollout, vllm_environment
+from rollout_worker import TEMPERATURE
+from tools import ToolRollout, load_tools
+from vision import image_tokens
+
+TOOLS = '''
+def probe(row: dict, images: list) -> str | list:
+    """Read this question's hidden value (and, when the question has a picture, its top-left corner)."""
+    if row["fail"]:
+        raise RuntimeError(f"no value for question {row['id']}")
+    value = f"value {row['value']}"
+    return [images[0].crop((0, 0, 56, 56)), value] if images else value
+'''
+PARSER = '''
+from tools import ToolCall
+
+
+def every_turn(text):
+    """Whatever the turn says, it calls `probe`."""
+    return [ToolCall("probe", {})]
+'''
+MAX_TURNS, TURN_TOKENS = 3, 6
+BUDGET = {"qwen2_5_bpe": 96, "qwen2_5_vl": 128}  # room for 3 turns and 2 tool turns (a crop is 4 image tokens)
+# a tool turn as each tiny model's chat template renders it (plumbing/tiny.py), after the turn it answers
+TOOL_TURN = {"qwen2_5_bpe": "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
+                            "<|im_start|>assistant\n",
+             "qwen2_5_vl": "\n<|im_start|>tool\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+                           "<|im_start|>assistant\n"}
+
+
+class Recorder:
+    """The engine, with a record of every generate call: its prompts (ids, images) and what it sampled."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def generate(self, prompts, version, validation=False, greedy=False, n=None, max_tokens=None):
+        groups = self.engine.generate(prompts, version, validation, greedy, n=n, max_tokens=max_tokens)
+        self.calls.append({"prompt_ids": [list(p["prompt_ids"]) for p in prompts],
+                           "images": [list(p.get("images") or []) for p in prompts], "n": n, "max_tokens": max_tokens,
+                           "outputs": [[list(r.token_ids) for r in group] for group in groups]})
+        return groups
+
+
+def runs(mask: list[int], value: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of `value` in `mask`: [1, 1, 0, 0, 1] -> value 1: [(0, 2), (4, 5)]."""
+    spans, start = [], None
+    for t, m in enumerate([*mask, None]):
+        if m == value and start is None:
+            start = t
+        elif m != value and start is not None:
+            spans.append((start, t))
+            start = None
+    return spans
+
+
+def token_in_token_out(calls: list[dict], prompts: list[dict], groups: list, tokenizer,
+                       architecture: str) -> dict[str, bool]:
+    """Each generated run of a response is one engine call's sample: turn 1 the first call's (n per prompt), every
+    later turn a call (n=1) whose prompt is exactly the episode's prompt and its response up to that turn, with the
+    prompt's images and the tools' so far; every later call's prompt is such a turn (a bijection); each tool turn
+    is the chat template's rendering of the tool's result, after the template's end token when the turn did not end
+    with it (cut short, or ended by <|endoftext|>)."""
+    first, later = calls[0], [(ids, images, outputs[0]) for call in calls[1:]
+                              for ids, images, outputs in zip(call["prompt_ids"], call["images"], call["outputs"])]
+    checks = {"first_call": first["prompt_ids"] == [p["prompt_ids"] for p in prompts] and first["n"] is None,
+              "later_calls_one_sample": all(call["n"] == 1 and all(len(o) == 1 for o in call["outputs"])
+                                            for call in calls[1:]),
+              "turns_are_samples": True, "tool_turns_rendered": True, "aligned": True}
+    for j, (item, group) in enumerate(zip(prompts, groups)):
+        for i, r in enumerate(group):
+            generated, given = runs(r.mask, 1), runs(r.mask, 0)
+            holes = [t for start, end in given for t in range(start, end)]
+            checks["aligned"] &= len(r.token_ids) == len(r.logprobs) == len(r.mask) and \
+                len(generated) == r.episode.turns and all(r.logprobs[t] == 0.0 for t in holes)
+            checks["turns_are_samples"] &= generated[0] == (0, len(first["outputs"][j][i])) and \
+                r.token_ids[: generated[0][1]] == first["outputs"][j][i]
+            for start, end in generated[1:]:
+                images = item["images"] + r.images[: r.token_ids[:start].count(tokenizer.convert_tokens_to_ids(
+                    "<|image_pad|>"))]
+                match = next((k for k, (ids, seen, output) in enumerate(later)
+                              if ids == item["prompt_ids"] + r.token_ids[:start] and output == r.token_ids[start:end]
+                              and len(seen) == len(images) and all(a is b for a, b in zip(seen, images))), None)
+                checks["turns_are_samples"] &= match is not None
+                if match is not None:
+                    later.pop(match)
+            for start, end in given:
+                ended = r.token_ids[start - 1] == tokenizer.eos_token_id  # <|endoftext|> gets an <|im_end|> too
+                result = [m for m in r.episode.messages if m["role"] == "tool"][given.index((start, end))]["content"]
+                text = result if isinstance(result, str) else next(p["text"] for p in result if p["type"] == "text")
+                expected = ("" if ended else tokenizer.eos_token) + TOOL_TURN[architecture].format(text)
+                checks["tool_turns_rendered"] &= tokenizer.decode(r.token_ids[start:end]) == expected
+    checks["every_call_a_turn"] = not later
+    return checks
+
+
+def main(engine: str, architecture: str, out: str):
+    vllm_environment()
+    rank, world, device = init_distributed()
+    path = f"{out}.model"
+    tools_file, parser_file = f"{out}.tools.py", f"{out}.parser.py"
+    if rank == 0:
+        build_tiny_model(architecture, path)
+        Path(tools_file).write_text(TOOLS)
+        Path(parser_file).write_text(PARSER)
+    dist.barrier()
+    vision = architecture.endswith("_vl")
+    processor = AutoProcessor.from_pretrained(path) if vision else None
+    tokenizer = processor.tokenizer if vision else AutoTokenizer.from_pretrained(path)
+    actor = load_sharded_model(path, device, trainable=True)
+    cfg = RolloutConfig(engine=engine, n=4, temperature=TEMPERATURE, max_response_length=BUDGET[architecture],
+                        tools=tools_file, tool_parser=f"{parser_file}:every_turn", max_turns=MAX_TURNS,
+                        max_turn_tokens=TURN_TOKENS, max_tool_errors=1)
+    recorder = Recorder(build_rollout(cfg, path, max_model_len=512, device=device, model=actor))
+    tools = load_tools(cfg.tools)
+    rollout = ToolRollout(recorder, cfg, tools, tokenizer, processor, device)
+
+    # dataset items as data.PromptDataset makes them: the chat template lists the tools; one picture each (VLM)
+    prompts = []
+    for i, question in enumerate(["What is the hidden value?", "Which value is hidden here?", "Look it up."]):
+        images = []
+        if vision:
+            picture = Image.new("RGB", (112, 84), (40 * i, 200, 90 * rank))
+            picture.paste((255, 255 - 60 * i, 0), (0, 0, 56, 42))
+            images = [picture]
+        content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
+        prompt = (processor or tokenizer).apply_chat_template(
+            [{"role": "user", "content": content if vision else question}], tools=rollout.schemas,
+            add_generation_prompt=True, tokenize=False)
+        prompts.append({"prompt": prompt, "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"],
+                        "images": images, "row": {"id": i, "value": 10 * rank + i, "fail": rank == 1},
+                        "ground_truth": str(i)})
+    groups = rollout.generate(prompts, version=0)
+    responses = [r for group in groups for r in group]
+    checks = token_in_token_out(recorder.calls, prompts, groups, tokenizer, architecture)
+
+    # the trainer's side: images expanded, holes in the mask, packed and padded log-probs
+    batch = batch_of([Group(item, group, [{"overall": 0.0}] * len(group)) for item, group in zip(prompts, groups)],
+                     processor, tokenizer.pad_token_id, device)
+    packed = batched_logprobs(actor, batch, TEMPERATURE, micro_batch_size=8, padding_free=True)  # [B, R]
+    padded = batched_logprobs(actor, batch, TEMPERATURE, micro_batch_size=8, padding_free=False)  # [B, R]
+    generated = batch.response_mask.bool()  # [B, R]
+    valid = torch.arange(batch.responses.shape[1]) < torch.tensor(batch.response_lengths)[:, None]  # [B, R]
+    image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    image_slots = (batch.responses == image_pad) & valid
+    result = {
+        "rank": rank,
+        "turns": [r.episode.turns for r in responses], "stop_reasons": [r.episode.stop_reason for r in responses],
+        "tool_calls": [r.episode.tool_calls for r in responses],
+        "tool_errors": [r.episode.tool_errors for r in responses],
+        "engine_calls": len(recorder.calls), "checks": checks,
+        "lengths": [len(r.token_ids) + sum(image_tokens(processor, i) - 1 for i in r.images) for r in responses],
+        "gap": (packed - batch.rollout_logprobs)[generated].abs().max().item(),
+        "packed_vs_padded": (packed - padded)[generated].abs().max().item(),
+        "generated_tokens": int(generated.sum()), "masked_tokens": int((valid & ~generated).sum()),
+        "masked_share": (valid & ~generated).sum().item() / valid.sum().item(),
+        "tool_images": sum(len(r.images) for r in responses),
+        "tool_image_tokens": sum(image_tokens(processor, i) for r in responses for i in r.images),
+        "image_slots_in_responses": int(image_slots.sum()),
+        "image_slots_masked": not (image_slots & generated).any().item(),
+        "rows_with_vision": sum(v is not None for v in batch.vision or []),
+    }
+    results = [None] * world
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    rollout.shutdown()
+    if dist.is_initialized():  # vLLM's shutdown tears down the default group with its own
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+    os._exit(0)  # as rollout_worker.py: skip the interpreter's teardown (a rare abort of the CPU stack)
