@@ -28,8 +28,9 @@ Design decisions:
   result and is counted; --rollout.max-tool-errors of them end the episode.
 - All calls of a turn, over all the episodes of the rank, run at once, each in a daemon thread, and the turn
   waits at most the timeout. A call past its time is abandoned, not stopped (Python cannot kill a thread): it
-  runs on in the background and its result is dropped. A tool that must be killed (untrusted code) runs its
-  work in a subprocess of its own.
+  runs on in the background and its result is dropped. A call stuck in C code that holds the GIL stalls the
+  rank regardless (the built-in calculator refuses powers of over 300 digits for this). A tool that must be
+  killed (untrusted code) runs its work in a subprocess of its own.
 - Ranks take turns in lockstep: a turn is a collective for the hf engine (it gathers the FSDP2 weights) and for
   tensor-parallel vLLM, so a rank whose episodes are over joins the others' turns with nothing to generate.
 - The whole episode fits --rollout.max-response-length tokens, generated and given (an image counts as its
@@ -183,10 +184,7 @@ def load_tools(spec: str) -> dict[str, Callable]:
         if spec.endswith(".py"):
             if not Path(spec).is_file():
                 raise ValueError(f"--rollout.tools {spec!r}: no such file (cwd: {Path.cwd()})")
-            module_spec = importlib.util.spec_from_file_location(f"tools_{Path(spec).stem}", spec)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_spec.name] = module  # as importlib's recipe: pickle and dataclasses look modules up here
-            module_spec.loader.exec_module(module)
+            module = _module_from_file(spec, "tools")
         else:
             try:
                 module = importlib.import_module(spec)
@@ -199,6 +197,15 @@ def load_tools(spec: str) -> dict[str, Callable]:
     if not functions:
         raise ValueError(f"--rollout.tools {spec!r} defines no function: write `def my_tool(x: int) -> str:` there")
     return {fn.__name__: fn for fn in functions}
+
+
+def _module_from_file(path: str, prefix: str):
+    """The Python file at `path`, imported as the module `PREFIX_STEM`."""
+    module_spec = importlib.util.spec_from_file_location(f"{prefix}_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # as importlib's recipe: pickle and dataclasses look modules up here
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def tool_schema(fn: Callable) -> dict:
@@ -427,10 +434,7 @@ def load_parser(spec: str) -> Callable[[str], list[ToolCall]]:
     if not path.endswith(".py") or not Path(path).is_file():
         raise ValueError(f"--rollout.tool-parser {spec!r}: use a built-in ({', '.join(PARSERS)}) or "
                          "path/to/file.py:function")
-    module_spec = importlib.util.spec_from_file_location(f"tool_parser_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module
-    module_spec.loader.exec_module(module)
+    module = _module_from_file(path, "tool_parser")
     if not callable(getattr(module, name, None)):
         raise ValueError(f"--rollout.tool-parser {spec!r}: {path} has no function {name!r}")
     return getattr(module, name)

@@ -36,6 +36,16 @@ def logprob_gap(actor, prompts, groups, pad_id):
     return gap
 
 
+def write_every_rank(result: dict, out: str) -> None:
+    """Rank 0 writes the list of every rank's `result` to `out` (JSON); all ranks wait until it is written."""
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+
+
 def main(engine: str, architecture: str, out: str):
     vllm_environment()
     rank, world, device = init_distributed()
@@ -93,12 +103,7 @@ def main(engine: str, architecture: str, out: str):
         "stream_exact": stream_exact, "ref_dtypes": ref_dtypes, "ref_gap": ref_gap,
         "image_group_sizes": [len(g) for g in image_groups],
     }
-    results = [None] * world
-    dist.all_gather_object(results, result)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    write_every_rank(result, out)
     rollout.shutdown()
 
 

@@ -12,7 +12,6 @@ its turns' sampled ids and its tool turns' rendered ids, nothing re-tokenized. T
 then gives log-probs, packed and padded, to compare with the engine's on the generated tokens.
 """
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from grpo import Group, batch_of
 from logprobs import batched_logprobs
 from plumbing.tiny import build_tiny_model
 from rollout import RolloutConfig, build_rollout, vllm_environment
-from rollout_worker import TEMPERATURE
+from rollout_worker import TEMPERATURE, write_every_rank
 from tools import ToolRollout, load_tools
 from vision import image_tokens
 
@@ -191,12 +190,7 @@ def main(engine: str, architecture: str, out: str):
         "image_slots_masked": not (image_slots & generated).any().item(),
         "rows_with_vision": sum(v is not None for v in batch.vision or []),
     }
-    results = [None] * world
-    dist.all_gather_object(results, result)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    write_every_rank(result, out)
     rollout.shutdown()
     if dist.is_initialized():  # vLLM's shutdown tears down the default group with its own
         dist.destroy_process_group()
