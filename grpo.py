@@ -51,7 +51,7 @@ from plumbing.cli import check_flags, default_run_name, parse_command_line
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
 from plumbing.console import INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_libraries, report_once, run
 from plumbing.memory import check_run_memory
-from plumbing.metrics import PhaseTimer, logprob_metrics, score_metrics, step_totals
+from plumbing.metrics import PhaseTimer, logprob_metrics, pass_metrics, score_metrics, step_totals
 from plumbing.optimizer import build_optimizer, build_scheduler
 from plumbing.tiny import ARCHITECTURES, VISION_ARCHITECTURES, resolve_model
 from plumbing.trackers import Trackers, check_loggers
@@ -639,12 +639,13 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config) -> tuple[dict, to
 
 
 def validate(rollout, val_items, step, tokenizer, reward_fn, device: torch.device) -> tuple[dict, list[dict]]:
-    """Validation metrics over all ranks, and a few of this rank's samples for the trackers' tables."""
+    """Validation metrics over all ranks (mean rewards and lengths; pass@k of each reward key), and a few of this
+    rank's samples for the trackers' tables."""
     groups = score_groups(reward_fn, tokenizer, val_items, rollout.generate(val_items, step, validation=True))
     samples = [{"prompt": g.item["prompt"], "response": tokenizer.decode(r.token_ids, skip_special_tokens=True),
                 "ground_truth": str(g.item["ground_truth"]), "score": s}
                for g in groups for r, s in zip(g.responses, g.scores)][:4]
-    return score_metrics("val", groups, device), samples
+    return {**score_metrics("val", groups, device), **pass_metrics("val", groups, device)}, samples
 
 
 def check_config(cfg: Config, world_size: int) -> None:

@@ -5,6 +5,7 @@ Every statistic is reduced over all ranks in one collective per call (fsdp_utils
 the training device until the loop copies the step's numbers to the host once (fsdp_utils.to_floats).
 """
 
+import math
 import resource
 import time
 from contextlib import contextmanager
@@ -72,6 +73,49 @@ def score_metrics(prefix: str, groups: list, device: torch.device) -> dict[str, 
         mean = totals[f"reward {key}"] / count
         metrics[f"{prefix}/reward_{key}"] = mean
         metrics[f"{prefix}/reward_{key}_std"] = (totals[f"reward {key}^2"] / count - mean**2).clamp(min=0).sqrt()
+    return metrics
+
+
+PASS_SCORE = 1.0  # a sample passes a reward key when it scores at least this on it (accuracy-like keys are 0 or 1)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): of a prompt's n samples, c pass; the chance that k of them, drawn without
+    replacement, hold at least one that passes: 1 - C(n - c, k) / C(n, k). The share of prompts whose first k samples
+    hold a pass estimates the same number with a higher variance.
+
+    n 4, c 1: pass@1 = 1 - C(3, 1) / C(4, 1) = 0.25, pass@2 = 1 - C(3, 2) / C(4, 2) = 1 - 3/6 = 0.5, pass@4 = 1.
+    """
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_metrics(prefix: str, groups: list, device: torch.device) -> dict[str, torch.Tensor]:
+    """pass@k of every reward key for k = 1, 2, 4, ... up to the samples per prompt, the mean over all ranks'
+    prompts, and the half-width of its 95% interval over prompts (normal approximation: 1.96 x the standard error):
+    `{prefix}/pass@{k}/{key}` and `{prefix}/pass@{k}/{key}_ci95` (`groups`: grpo.Group records, each prompt's n
+    samples scored). mean@n is `{prefix}/reward_{key}` (score_metrics).
+
+    Two prompts of 4 samples with 1 and 3 passing: pass@2 = (0.5 + 1.0) / 2 = 0.75; the values' standard deviation
+    0.354 (n - 1 in the denominator) over sqrt(2) prompts, times 1.96: +- 0.49.
+    """
+    n = min((len(g.scores) for g in groups), default=1)
+    n = int(all_reduce({"n": n}, device, dist.ReduceOp.MIN)["n"])
+    keys = sorted(groups[0].scores[0]) if groups else []
+    sums = {"prompts": len(groups)}
+    for key in keys:
+        passed = [sum(s[key] >= PASS_SCORE for s in g.scores[:n]) for g in groups]
+        for k in (2**i for i in range(n.bit_length()) if 2**i <= n):
+            values = [pass_at_k(n, c, k) for c in passed]
+            sums[f"{k} {key}"], sums[f"{k} {key}^2"] = sum(values), sum(v * v for v in values)
+    totals = all_reduce(sums, device)
+    prompts = totals.pop("prompts").clamp(min=1)
+    metrics = {}
+    for name in [name for name in totals if not name.endswith("^2")]:
+        k, key = name.split(" ", 1)
+        mean = totals[name] / prompts
+        variance = (totals[f"{name}^2"] - prompts * mean**2).clamp(min=0) / (prompts - 1).clamp(min=1)
+        metrics[f"{prefix}/pass@{k}/{key}"] = mean
+        metrics[f"{prefix}/pass@{k}/{key}_ci95"] = 1.96 * (variance / prompts).sqrt()
     return metrics
 
 

@@ -30,7 +30,7 @@ def test_three_steps_end_to_end(tmp_path):
     """2 PPO epochs x 2 mini-batches of 4 prompts: 4 optimizer steps per training step; a reward the random model
     earns and no weight decay, so the policy gradient is what moves the weights; model-only checkpoints."""
     torchrun(["grpo.py", "--trainer.total-steps", "3", "--trainer.output-dir", str(tmp_path),
-              "--trainer.experiment-name", "e2e", "--trainer.val-freq", "2", *FAST, *SIGNAL,
+              "--trainer.experiment-name", "e2e", "--trainer.val-freq", "2", "--rollout.val-n", "4", *FAST, *SIGNAL,
               "--trainer.global-batch-size", "4", "--trainer.ppo-epochs", "2", "--actor.weight-decay", "0",
               "--trainer.save-model-only", "--trainer.logger", "console", "jsonl", "tensorboard"])
     run_dir = tmp_path / "e2e"
@@ -47,6 +47,10 @@ def test_three_steps_end_to_end(tmp_path):
         assert m["rollout/logprob_diff_max"] < ENGINE_GAP, "vLLM and the trainer disagree: stale engine?"
         assert m["actor/pg_loss"] != 0 and m["train/reward_overall_std"] > 0  # a learning signal, not only the KL
     assert "val/reward_overall" in metrics[1] and "val/reward_overall" in metrics[2]
+    for m in metrics[1:]:  # pass@k over both ranks' prompts, 4 samples each: more samples, more chances
+        passes = [m[f"val/pass@{k}/{key}"] for key in ("overall", "accuracy") for k in (1, 2, 4)]
+        assert passes[0] <= passes[1] <= passes[2] and passes[3] <= passes[4] <= passes[5], passes
+        assert "val/pass@8/overall" not in m and m["val/pass@1/overall_ci95"] >= 0
     # validation before training
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
     assert {json.loads(line)["step"] for line in (run_dir / "generations.jsonl").read_text().splitlines()} == {0, 2, 3}
