@@ -45,8 +45,8 @@ from logprobs import Batch, batched_logprobs, make_batch, micro_batches, respons
 from lora import LoRAConfig, adapters_off
 from plumbing.attention import attention_line
 from plumbing.balance import balance_over_ranks
-from plumbing.checkpoints import (agree_on_resume_point, prepare_run_folder, read_state, resume, save_checkpoint,
-                                  stop_note)
+from plumbing.checkpoints import (agree_on_resume_point, load_model, prepare_run_folder, read_state, resume,
+                                  save_checkpoint, stop_note)
 from plumbing.cli import check_flags, default_run_name, parse_command_line
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
 from plumbing.console import INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_libraries, report_once, run
@@ -54,7 +54,7 @@ from plumbing.memory import check_run_memory
 from plumbing.metrics import PhaseTimer, logprob_metrics, pass_metrics, score_metrics, step_totals
 from plumbing.optimizer import build_optimizer, build_scheduler
 from plumbing.tiny import ARCHITECTURES, VISION_ARCHITECTURES, resolve_model
-from plumbing.trackers import Trackers, check_loggers
+from plumbing.trackers import Trackers, check_loggers, write_evaluation
 from rewards import RewardConfig, RewardError, RewardFunction, RewardInput
 from rollout import Response, RolloutConfig, start_engine, vllm_environment
 from tools import ToolRollout, episode_metrics, load_tools, tool_schema
@@ -168,6 +168,9 @@ class TrainerConfig:
     """Validate every this many steps (and after the last); 0: never."""
     val_before_train: bool = True
     """Validate once before the first step."""
+    val_only: bool = False
+    """Evaluate only: validate the model, or the checkpoint --trainer.resume finds (the run's latest, best, a path),
+    with --rollout.val-n samples a prompt; every sample and the metrics go to the run folder's eval/."""
     save_freq: int = 20
     """Save a checkpoint (model, optimizer, scheduler, RNG, data position) every this many steps and after the last;
     0: never."""
@@ -639,12 +642,12 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config) -> tuple[dict, to
 
 
 def validate(rollout, val_items, step, tokenizer, reward_fn, device: torch.device) -> tuple[dict, list[dict]]:
-    """Validation metrics over all ranks (mean rewards and lengths; pass@k of each reward key), and a few of this
-    rank's samples for the trackers' tables."""
+    """Validation metrics over all ranks (mean rewards and lengths; pass@k of each reward key), and this rank's
+    samples (prompt, response, ground truth, scores)."""
     groups = score_groups(reward_fn, tokenizer, val_items, rollout.generate(val_items, step, validation=True))
     samples = [{"prompt": g.item["prompt"], "response": tokenizer.decode(r.token_ids, skip_special_tokens=True),
                 "ground_truth": str(g.item["ground_truth"]), "score": s}
-               for g in groups for r, s in zip(g.responses, g.scores)][:4]
+               for g in groups for r, s in zip(g.responses, g.scores)]
     return {**score_metrics("val", groups, device), **pass_metrics("val", groups, device)}, samples
 
 
@@ -694,12 +697,12 @@ def main(cfg: Config) -> None:
     start = agree_on_resume_point(run_dir, cfg.trainer.resume, job)  # None: a fresh run
     first_step = read_state(start)["step"] + 1 if start is not None else 1
     final_written = not cfg.trainer.save_final or (run_dir / "final" / HF_MARKER).is_file()
-    if first_step > cfg.trainer.total_steps and final_written:  # a finished run: nothing to do, nothing to record
+    if first_step > cfg.trainer.total_steps and final_written and not cfg.trainer.val_only:  # nothing to do, record
         console.print(f"nothing to train: {run_dir} is at step {first_step - 1} of --trainer.total-steps "
                       f"{cfg.trainer.total_steps}; raise it to train on, or choose another --trainer.experiment-name")
         dist.destroy_process_group()
         return
-    if rank == 0:
+    if rank == 0 and not cfg.trainer.val_only:  # an evaluation leaves the run folder as it is (but for eval/)
         prepare_run_folder(run_dir, dataclasses.asdict(cfg), start, say=console.print)
     INTERRUPT_NOTES.append(lambda: stop_note(run_dir))  # a Ctrl-C says where the run stands
 
@@ -714,6 +717,9 @@ def main(cfg: Config) -> None:
     console.print(attention_line(device))
     loader = PromptLoader(train_set, cfg.trainer.rollout_batch_size, rank, world, cfg.data.seed, cfg.data.shuffle)
     val_items = shard(val_set, rank, world) if val_set else []
+    if cfg.trainer.val_only and not val_set:
+        raise SystemExit("--trainer.val-only: no validation data (the training data has no test or validation split); "
+                         "name it with --data.val-files")
     reward_fn = RewardFunction(cfg.reward, cfg.rollout.max_response_length, report=report_once)
     algo = cfg.algorithm
     uses_kl = algo.use_kl_loss or algo.use_kl_in_reward
@@ -727,7 +733,9 @@ def main(cfg: Config) -> None:
     scheduler = build_scheduler(optimizer, cfg.actor.warmup_steps, cfg.actor.lr_schedule, cfg.actor.min_lr_ratio,
                                 cfg.trainer.total_steps)
     kl_coef = algo.kl_coef  # the KL-in-reward coefficient (token_rewards() returns the next one: adaptive KL)
-    if start is not None:  # everything a step depends on, as it was after the checkpoint's step
+    if start is not None and cfg.trainer.val_only:
+        load_model(start, actor)
+    elif start is not None:  # everything a step depends on, as it was after the checkpoint's step
         kl_coef = resume(start, actor, optimizer, scheduler, loader, console.print)["kl_coef"]
     training_state = TrainingState([actor] + ([ref] if ref is not None else []), optimizer, device,
                                    offload=cfg.actor.offload_while_generating)
@@ -735,6 +743,12 @@ def main(cfg: Config) -> None:
                            actor, training_state, first_step - 1 if start is not None else None)
     if tools:  # the engine, playing whole episodes
         rollout = ToolRollout(rollout, cfg.rollout, tools, tokenizer, processor, device)
+    if cfg.trainer.val_only:  # the loaded weights evaluated: every sample and the metrics to run_dir/eval/
+        metrics, samples = validate(rollout, val_items, first_step - 1, tokenizer, reward_fn, device)
+        write_evaluation(run_dir, first_step - 1, to_floats(metrics), samples, console.print, data=val_set.name,
+                         model=cfg.actor.model_path, checkpoint=str(start or ""), val_n=cfg.rollout.val_n)
+        dist.barrier()  # the files are written
+        return rollout.shutdown()
     # one optimizer step per rollout batch: the old log-probs are the update's own, no pass of their own (TRL's way)
     on_policy = (cfg.trainer.ppo_epochs == 1 and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
                  and not algo.use_kl_in_reward)
@@ -747,7 +761,7 @@ def main(cfg: Config) -> None:
     if val_items and cfg.trainer.val_before_train and start is None:
         val_metrics, samples = validate(rollout, val_items, 0, tokenizer, reward_fn, device)
         val_metrics = to_floats(val_metrics)
-        trackers.log(val_metrics, 0, samples)
+        trackers.log(val_metrics, 0, samples[:4])
         console.print("validation before training: " + json.dumps({k: round(v, 4) for k, v in val_metrics.items()}))
     with progress:
         for step in range(first_step, cfg.trainer.total_steps + 1):
@@ -805,7 +819,7 @@ def main(cfg: Config) -> None:
                     val_metrics, samples = validate(rollout, val_items, step, tokenizer, reward_fn, device)
                     metrics.update(val_metrics)
             metrics = step_totals(metrics, timer, sum(batch.sequence_lengths), device)
-            trackers.log(metrics, step, samples)  # before the checkpoint: a resume from it never misses this line
+            trackers.log(metrics, step, samples[:4])  # before the checkpoint: a resume from it never misses this
             progress.step(step, metrics)
             if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or last):
                 save_checkpoint(run_dir, step, actor, optimizer,

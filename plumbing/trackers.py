@@ -37,8 +37,11 @@ import importlib
 import json
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch.distributed as dist
 
 COLUMNS = ["step", "prompt", "response", "ground_truth", "score"]
 
@@ -242,6 +245,24 @@ class MlflowTracker:
 BACKENDS = {"jsonl": JsonlTracker, "tensorboard": TensorBoardTracker, "wandb": WandbTracker,
             "swanlab": SwanLabTracker, "mlflow": MlflowTracker}
 LOGGERS = ("console", *BACKENDS)  # console: the step line grpo.py prints
+
+
+def write_evaluation(run_dir: Path, step: int, metrics: dict, samples: list[dict], say, **about) -> None:
+    """--trainer.val-only's record (collective): every rank's `samples` to run_dir/eval/step_N-TIME.jsonl, a line
+    each, and the metrics with `about` (model, checkpoint, data) to step_N-TIME.json, both new files (never over an
+    earlier evaluation's); rank 0 writes them and says the metrics."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, samples)
+    if dist.get_rank() != 0:
+        return
+    name = Path(run_dir) / "eval" / time.strftime(f"step_{step:06d}-%Y%m%d-%H%M%S")
+    name.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{name}.jsonl", "x") as f:
+        f.writelines(json.dumps(sample) + "\n" for part in every for sample in part)
+    with open(f"{name}.json", "x") as f:
+        json.dump({**about, "step": step, "metrics": metrics}, f, indent=1)
+    say(f"evaluated {about.get('checkpoint') or about.get('model')}: {sum(map(len, every))} samples in {name}.jsonl; "
+        + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
 
 
 def check_loggers(names: list[str]) -> None:

@@ -1,0 +1,61 @@
+"""`grpo.py --trainer.val-only`: evaluate a run's checkpoint or a model as given, with every sample and the pass@k
+metrics written to new files in the run folder's eval/, the rest of the run folder untouched."""
+
+import json
+
+import pytest
+
+from conftest import FAST, launch, torchrun
+
+pytestmark = pytest.mark.slow  # every test here launches processes
+
+STEPS = ["--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final"]
+
+
+def evaluation(run_dir, step: int) -> tuple[list[dict], dict]:
+    """The samples and the metrics record of the one evaluation of `step` in run_dir/eval/."""
+    [samples] = sorted((run_dir / "eval").glob(f"step_{step:06d}-*.jsonl"))
+    return [json.loads(line) for line in samples.read_text().splitlines()], json.loads(samples.with_suffix(".json")
+                                                                                       .read_text())
+
+
+def test_val_only_evaluates_the_latest_checkpoint_and_touches_nothing_else(tmp_path):
+    """2 steps with a checkpoint, then --trainer.val-only on 2 ranks: the checkpoint's weights (step 2) give 4 samples
+    of each of the 50 test prompts, all in eval/ with their scores, and pass@1/2/4 of every reward key with
+    intervals; the checkpoints, metrics.jsonl and config.json are as the training left them."""
+    run = ["grpo.py", "--trainer.output-dir", str(tmp_path), "--trainer.experiment-name", "run", *FAST]
+    torchrun([*run, "--trainer.total-steps", "2", "--trainer.save-freq", "2", *STEPS])
+    run_dir = tmp_path / "run"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    output = torchrun([*run, "--trainer.total-steps", "2", "--trainer.val-only", "--rollout.val-n", "4"])
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and "eval" not in p.parts} == before
+    samples, record = evaluation(run_dir, 2)
+    assert len(samples) == 50 * 4 and all(set(s) == {"prompt", "response", "ground_truth", "score"} for s in samples)
+    assert sorted({s["prompt"] for s in samples}) == sorted({s["prompt"] for s in samples[::4]})  # 50 prompts
+    assert record["checkpoint"].endswith("step_000002") and record["val_n"] == 4 and record["data"] == "toy@test"
+    metrics = record["metrics"]
+    mean = sum(s["score"]["accuracy"] for s in samples) / len(samples)
+    assert metrics["val/reward_accuracy"] == pytest.approx(mean)  # mean@4 over every sample
+    passed = sum(s["score"]["accuracy"] >= 1 for s in samples) / len(samples)
+    assert metrics["val/pass@1/accuracy"] == pytest.approx(passed)  # pass@1: the share of passing samples
+    assert metrics["val/pass@1/accuracy"] <= metrics["val/pass@2/accuracy"] <= metrics["val/pass@4/accuracy"]
+    assert all(f"val/pass@{k}/{key}_ci95" in metrics for k in (1, 2, 4) for key in ("overall", "accuracy"))
+    assert "evaluated" in output and "step_000002" in output
+
+
+def test_val_only_of_a_model_as_given_on_one_rank_with_the_hf_engine(tmp_path):
+    """No checkpoint in the run folder: the model itself is evaluated (step 0), on one rank, with the hf engine; no
+    config.json or metrics are written, only eval/."""
+    torchrun(["grpo.py", "--trainer.output-dir", str(tmp_path), "--trainer.experiment-name", "model",
+              "--trainer.val-only", "--rollout.engine", "hf", "--rollout.val-n", "2"], nproc=1)
+    samples, record = evaluation(tmp_path / "model", 0)
+    assert len(samples) == 50 * 2 and record["checkpoint"] == "" and record["model"] == "tiny:qwen2"
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["eval"]
+
+
+def test_val_only_without_validation_data_says_which_flag(tmp_path):
+    """--data.val-files '' leaves nothing to evaluate: refused, naming the flag."""
+    proc = launch(["grpo.py", "--trainer.output-dir", str(tmp_path), "--trainer.val-only", "--data.val-files", ""],
+                  nproc=1)
+    assert proc.returncode != 0 and "--trainer.val-only: no validation data" in proc.stderr
+    assert "--data.val-files" in proc.stderr
