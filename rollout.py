@@ -3,8 +3,8 @@
 Two engines behind one contract (`build_rollout`; `generate`, `sync_weights`, `sleep`, `shutdown`,
 `weights_version`), chosen with `--rollout.engine`:
 - `vllm` (`VLLMRollout`): a vLLM engine inside every training process. Fast; the default.
-- `hf` (`HFRollout`): transformers' `generate` on the trainer's own FSDP2 model. Slower, but runs wherever
-  the trainer runs: a GPU box without vLLM, Apple or AMD hardware, an architecture vLLM lacks; and it is
+- `hf` (`HFRollout`): transformers' `generate` on the trainer's own FSDP2 model, text and images. Slower, but runs
+  wherever the trainer runs: a GPU box without vLLM, Apple or AMD hardware, an architecture vLLM lacks; and it is
   a second opinion when debugging the vLLM path.
 
 Lifecycle per training step:
@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from data import PromptItem
 from fsdp_utils import gathered, stream_full_weights
-from vision import PLACEHOLDER_BIAS, placeholder_token_ids
+from vision import PLACEHOLDER_BIAS, expand_images, is_vision_language, placeholder_token_ids, repeat, vision_inputs
 
 
 @dataclass
@@ -397,12 +397,16 @@ class HFRollout:
       records the log-prob of each sampled token; `generate` itself is asked for plain sampling, so no
       other processor (a checkpoint's repetition penalty, say) changes what is sampled.
     - The sampling RNG of the module docstring: the trainer's RNG is left untouched.
+    - Images (vision-language models): each prompt's `<|image_pad|>` expanded to its image's tokens and the pixels
+      from the processor, as the trainer gets them (vision.expand_images, vision.vision_inputs); transformers'
+      generate computes the 3-D M-RoPE positions of the left-padded rows from the attention mask.
     """
 
     def __init__(self, cfg: RolloutConfig, model, model_path: str, device: torch.device):
-        from transformers import AutoTokenizer, GenerationConfig
+        from transformers import AutoProcessor, AutoTokenizer, GenerationConfig
 
         self.cfg, self.model, self.device = cfg, model, device
+        self.processor = AutoProcessor.from_pretrained(model_path) if is_vision_language(model.config) else None
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         try:  # stop where vLLM stops: the tokenizer's EOS and the checkpoint's generation_config ones (Qwen lists two)
             eos = GenerationConfig.from_pretrained(model_path).eos_token_id
@@ -410,6 +414,12 @@ class HFRollout:
             eos = None
         self.eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        if self.processor is not None:
+            # transformers' generate runs the vision tower (get_image_features) before the model's forward; FSDP2
+            # sets its units up at the root's first forward and refuses a unit that ran on its own before: a
+            # one-token forward of the root comes first (collective, as is every rank's __init__)
+            with torch.no_grad(), gathered(model):
+                model(input_ids=torch.full((1, 1), self.pad_id, device=device))
         self.seeds = SeedStream(cfg.seed, dist.get_rank())
         self.weights_version = 0
 
@@ -427,24 +437,25 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompts: list[PromptItem], version: int, validation: bool = False, greedy: bool = False,
                  n: int | None = None, max_tokens: list[int] | None = None) -> list[list[Response]]:
-        """Same contract as VLLMRollout.generate (text prompts only). Every call gathers the weights (a collective),
-        so a rank with no prompts still calls it when others do (tools.py keeps the ranks in step)."""
+        """Same contract as VLLMRollout.generate. Every call gathers the weights (a collective), so a rank with no
+        prompts still calls it when others do (tools.py keeps the ranks in step)."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         check_version(self, version)
-        if any(p.get("images") for p in prompts):
-            raise ValueError("the hf rollout engine generates from text prompts only; use --rollout.engine vllm "
-                                      "for image rows")
         count, temperature, top_p = sampling(self.cfg, validation, greedy)
         n = n or count
         limits = max_tokens or [self.cfg.max_response_length] * len(prompts)
+        expanded = [expand_images(self.processor, [p["prompt_ids"]], p.get("images") or []) for p in prompts]
+        rows = [repeat(p["prompt_ids"], repeats) for p, ((repeats,), _) in zip(prompts, expanded)]
         # left padding: every prompt ends where generation starts
-        P = max((len(p["prompt_ids"]) for p in prompts), default=0)
-        input_ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)  # [prompts, P]
-        attention_mask = torch.zeros(len(prompts), P, dtype=torch.long)  # [prompts, P]
-        for i, p in enumerate(prompts):
-            input_ids[i, P - len(p["prompt_ids"]):] = torch.tensor(p["prompt_ids"])
-            attention_mask[i, P - len(p["prompt_ids"]):] = 1
+        P = max(map(len, rows), default=0)
+        input_ids = torch.full((len(rows), P), self.pad_id, dtype=torch.long)  # [prompts, P]
+        attention_mask = torch.zeros(len(rows), P, dtype=torch.long)  # [prompts, P]
+        for i, row in enumerate(rows):
+            input_ids[i, P - len(row):] = torch.tensor(row)
+            attention_mask[i, P - len(row):] = 1
+        input_ids = input_ids.to(self.device)
+        images = vision_inputs(self.model, input_ids, [tensors for _, tensors in expanded])  # {} without images
         recorder = _SampledLogprobs(temperature, top_p, self.cfg.top_k, placeholder_token_ids(self.model.config))
         was_training = self.model.training
         seed = self.seeds.next(version, call_purpose(validation, greedy))
@@ -456,7 +467,7 @@ class HFRollout:
                                       eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
             self.model.eval()
             try:
-                sequences = self.model.generate(input_ids=input_ids.to(self.device), generation_config=config,
+                sequences = self.model.generate(input_ids=input_ids, generation_config=config, **images,
                                                 attention_mask=attention_mask.to(self.device),
                                                 logits_processor=LogitsProcessorList([recorder]), synced_gpus=False)
             finally:

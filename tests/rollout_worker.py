@@ -1,7 +1,8 @@
 """Run under torchrun by test_rollout.py: generate, perturb the FSDP weights, sync, compare log-probs.
 
 argv: ENGINE (vllm | hf) ARCHITECTURE OUT. A vision-language ARCHITECTURE also generates for prompts with an
-image, before and after the sync (the engine's encoder cache must not serve the old weights' embeddings). With the
+image, before and after the sync (vLLM's encoder cache must not serve the old weights' embeddings), and the trainer
+scores the synced engine's image samples with the images. With the
 hf engine the two ranks get different response length limits (rank 0: 3 tokens, rank 1: 12), so they run different
 numbers of decoding steps: a collective inside generation would hang here.
 """
@@ -14,21 +15,24 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 from torch.distributed.tensor import DTensor
-from transformers import AutoTokenizer
+from transformers import AutoProcessor, AutoTokenizer
 
 from fsdp_utils import init_distributed, load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
 from plumbing.tiny import VISION_ARCHITECTURES, build_tiny_model
 from rollout import RolloutConfig, build_rollout, vllm_environment
+from vision import expand_prompt
 
 TEMPERATURE = 0.7
 
 
-def logprob_gap(actor, prompts, groups, pad_id):
-    """Max |trainer - engine| log-prob over every generated token."""
-    prompt_ids = [p["prompt_ids"] for p, g in zip(prompts, groups) for _ in g]
+def logprob_gap(actor, prompts, groups, pad_id, processor=None):
+    """Max |trainer - engine| log-prob over every generated token (prompts with images: `processor` expands them)."""
+    expanded = [expand_prompt(processor, p) if processor else (p["prompt_ids"], None) for p, g in zip(prompts, groups)
+                for _ in g]
     responses = [r for g in groups for r in g]
-    batch = make_batch(prompt_ids, [r.token_ids for r in responses], pad_id)
+    batch = make_batch([ids for ids, _ in expanded], [r.token_ids for r in responses], pad_id,
+                       vision=[images for _, images in expanded] if processor else None)
     trainer = batched_logprobs(actor, batch, temperature=TEMPERATURE, micro_batch_size=8)
     gap = 0.0
     for b, r in enumerate(responses):
@@ -62,7 +66,7 @@ def main(engine: str, architecture: str, out: str):
     gap_initial = logprob_gap(actor, prompts, before, pad_id=0)
     # vision-language models: a prompt with one image placeholder (vLLM expands it), before and after the sync
     image_prompts = []
-    if architecture in VISION_ARCHITECTURES and engine == "vllm":
+    if architecture in VISION_ARCHITECTURES:
         tokenizer = AutoTokenizer.from_pretrained(path)
         start, pad, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
         image_prompts = [{"prompt_ids": [1, start, pad, end, 40 + rank, 41], "images": [Image.new("RGB", (56, 56), c)]}
@@ -82,7 +86,10 @@ def main(engine: str, architecture: str, out: str):
     rollout.sync_weights(actor, version=1)
     after = rollout.generate(prompts, version=1)
     gap_synced = logprob_gap(actor, prompts, after, pad_id=0)
-    image_groups += rollout.generate(image_prompts, version=1) if image_prompts else []  # the same images again
+    image_after = rollout.generate(image_prompts, version=1) if image_prompts else []  # the same images again
+    image_gap = logprob_gap(actor, image_prompts, image_after, 0, AutoProcessor.from_pretrained(path)) \
+        if image_prompts else 0.0
+    image_groups += image_after
 
     # the weight stream casts each shard before its gather: bf16 tensors equal to the full fp32 ones, cast
     streamed = dict(stream_full_weights(actor, torch.bfloat16, device))
@@ -101,7 +108,7 @@ def main(engine: str, architecture: str, out: str):
         "gap_initial": gap_initial, "gap_stale": gap_stale, "gap_synced": gap_synced, "stale_error": stale_error,
         "tied": bool(getattr(actor.config, "tie_word_embeddings", False)),
         "stream_exact": stream_exact, "ref_dtypes": ref_dtypes, "ref_gap": ref_gap,
-        "image_group_sizes": [len(g) for g in image_groups],
+        "image_group_sizes": [len(g) for g in image_groups], "image_gap": image_gap,
     }
     write_every_rank(result, out)
     rollout.shutdown()

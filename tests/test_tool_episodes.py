@@ -20,7 +20,7 @@ BUDGET = {"qwen2_5_bpe": 96, "qwen2_5_vl": 128}  # tools_worker.BUDGET
 
 
 @pytest.mark.parametrize("engine, architecture", [("vllm", "qwen2_5_bpe"), ("hf", "qwen2_5_bpe"),
-                                                  ("vllm", "qwen2_5_vl")])
+                                                  ("vllm", "qwen2_5_vl"), ("hf", "qwen2_5_vl")])
 def test_episodes_are_token_in_token_out_in_lockstep_and_the_trainer_scores_them_as_sampled(tmp_path, engine,
                                                                                             architecture):
     """Rank 0's episodes run 3 turns, rank 1's end after its first (a failed call, --rollout.max-tool-errors 1),
