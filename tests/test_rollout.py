@@ -196,11 +196,9 @@ def test_the_hf_engine_samples_from_top_k_then_top_p_renormalised():
     assert sampled.item() == pytest.approx(1.5 - math.log(math.exp(2) + math.exp(1.5) + math.exp(1)))
 
 
-def test_the_hf_engine_stops_at_every_end_token_and_refuses_image_rows(tmp_path, world_of_one):
+def test_the_hf_engine_stops_at_every_end_token(tmp_path, world_of_one):
     """Qwen's checkpoints list two end tokens in their generation config (<|im_end|> and <|endoftext|>): the hf
-    engine stops at either, as vLLM does (here at the one the tokenizer does not name). Image rows are a one-line
-    error naming the engine to use."""
-    from PIL import Image
+    engine stops at either, as vLLM does (here at the one the tokenizer does not name)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from plumbing.tiny import build_tiny_model
@@ -215,5 +213,3 @@ def test_the_hf_engine_stops_at_every_end_token_and_refuses_image_rows(tmp_path,
         engine.model.model.norm.weight.zero_()
     [[response]] = engine.generate([{"prompt_ids": [1, 5]}], version=0, greedy=True)
     assert response.token_ids == [0] and not response.truncated
-    with pytest.raises(ValueError, match="text prompts only; use --rollout.engine vllm"):
-        engine.generate([{"prompt_ids": [1, 5], "images": [Image.new("RGB", (28, 28))]}], version=0)
