@@ -726,8 +726,8 @@ def main(cfg: Config) -> None:
     if device.type == "cuda":  # refuse a run that cannot fit now, not with an out-of-memory error minutes later
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
         console.print(check_run_memory(cfg, model_path, world, gpu_bytes).summary())
-    actor, ref = load_actor_and_reference(cfg.actor, cfg.lora, model_path, device, uses_kl, vision_language,
-                                          say=console.print)
+    actor, ref = load_actor_and_reference(cfg.actor, cfg.lora, model_path, device, uses_kl and not cfg.trainer.val_only,
+                                          vision_language, say=console.print)  # an evaluation needs no reference
     optimizer = build_optimizer(actor.parameters(), cfg.actor.optimizer, cfg.actor.lr, cfg.actor.betas,
                                 cfg.actor.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.actor.warmup_steps, cfg.actor.lr_schedule, cfg.actor.min_lr_ratio,
