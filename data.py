@@ -1,9 +1,9 @@
 """Prompt datasets: load `name[@split]`, render every prompt, serve seeded, resumable batches to each rank.
 
 Dataset format: one row per prompt; the column names are flags (--data.prompt-key, --data.answer-key,
---data.image-key), other columns are kept and reach the reward function with the row.
+--data.image-key, --data.video-key), other columns are kept and reach the reward function with the row.
 
-    {"problem": "What is 2 + 3?", "answer": "5", "images": [], ...any other columns}
+    {"problem": "What is 2 + 3?", "answer": "5", "images": [], "videos": [], ...any other columns}
 
 - prompt (`problem`): text, rendered through the optional Jinja format prompt as `{{ content }}`,
   then through the tokenizer's chat template as one user turn with the generation prompt.
@@ -14,9 +14,15 @@ Dataset format: one row per prompt; the column names are flags (--data.prompt-ke
 
     {"problem": "<image>How many squares are there?", "answer": "3", "images": ["clevr/0001.png"]}
 
+- videos (`videos`, optional): a list per row of video files (paths, relative ones joined with --data.video-dir, or
+  {"bytes": ...}) or of frame lists (each a list of images, as above), marked in the prompt with `<video>`:
+
+    {"problem": "<video>Which way does the ball roll?", "answer": "left", "videos": ["clips/0001.mp4"]}
+
 Where the rows come from (`name[@split]`, split `train` unless given):
     toy                      the built-in task "most common digit" (toy_rows): splits train and test
     toy_vision               the built-in visual task "which colour fills the picture" (toy_vision_rows)
+    toy_motion               the built-in video task "which way does the bar move" (toy_motion_rows)
     toy_tools                the built-in tool task "look it up" (toy_tool_rows; with --rollout.tools toy)
     data/math12k.parquet     one parquet, json, jsonl or csv file: the file is the split (no @split)
     data/math12k@test        a folder of such files, split by file name (train.jsonl, test-0000.parquet)
@@ -28,6 +34,10 @@ Design decisions:
   tokens the processor will give it. The count is kept in `num_filtered` for the trainer to log.
 - Images are decoded and resized (min/max pixels) here, once: the engine and the trainer get the same
   pixels. The prompt holds one `<|image_pad|>` per image, the form vLLM expands itself.
+- Videos too: their files are decoded with PyAV (FFmpeg's decoders and a container's own frame count and rate,
+  in a wheel bound to no torch version, unlike torchcodec; decord is unmaintained and torchvision 0.28 has no
+  reader), `--data.video-fps` frames a second are kept, uniformly, up to `--data.max-frames`, and each is resized
+  like an image. A video's tokens are counted from its container's frame count, rate and size, without decoding.
 - Dataset text is text: a row whose prompt holds a control token of the tokenizer (`<|im_end|>`, an image
   placeholder) is refused rather than tokenized as one, which would let the data end the user's turn in the
   model's input. Splitting the rendered prompt to tokenize the row's text without specials would tokenize
@@ -46,17 +56,24 @@ import io
 import json
 import math
 import random
+import re
 import string
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
+import av
 import datasets
 import jinja2
+import numpy as np
 import pyarrow
 import pyarrow.parquet
+from datasets.fingerprint import generate_random_fingerprint
 from PIL import Image
+
+from vision import Video, image_tokens, video_metadata, video_tokens
 
 FILE_TYPES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 TEMPLATES = Path(__file__).parent / "templates"
@@ -79,11 +96,21 @@ class DataConfig:
     ignored when the dataset has no such column."""
     image_dir: str = ""
     """Folder that relative image paths of the images column are joined with (empty: the working directory)."""
+    video_key: str = "videos"
+    """Column holding each row's list of videos (files, or lists of frames) for vision-language models;
+    ignored when the dataset has no such column."""
+    video_dir: str = ""
+    """Folder that relative video paths of the videos column are joined with (empty: --data.image-dir)."""
+    video_fps: float = 2.0
+    """Frames kept per second of video, spread uniformly over it; a list of frames is taken as sampled at this rate."""
+    max_frames: int = 32
+    """Frames kept per video at most (rounded down to an even number: the models read frames in pairs)."""
     min_pixels: int = 262144
-    """Images with fewer pixels are scaled up to this many (aspect ratio kept), once, for rollout and training alike."""
+    """Images (and video frames) with fewer pixels are scaled up to this many (aspect ratio kept), once, for rollout
+    and training alike."""
     max_pixels: int = 4194304
-    """Images with more pixels are scaled down to this many;
-    it bounds each image's tokens (pixels / 28^2 for Qwen2.5-VL)."""
+    """Images (and video frames) with more pixels are scaled down to this many;
+    it bounds each image's tokens (pixels / 28^2 for Qwen2.5-VL) and each frame pair's."""
     format_prompt: str = ""
     """Jinja template rendering the prompt as `{{ content }}`, e.g. templates/math.jinja (also found next to data.py);
     empty: the prompt as is."""
@@ -142,6 +169,32 @@ def toy_vision_rows(split: str) -> list[dict]:
     return rows
 
 
+def toy_motion_rows(split: str) -> list[dict]:
+    """The built-in video task "which way does the bar move": 4 frames of 56 x 56 pixels, a white bar 14 pixels wide
+    (a patch) stepping 7 pixels a frame to the left or to the right, wrapping around; answer its letter (l or r) and
+    stop. Its place in any one frame says nothing (every place is as likely either way): only frames together tell.
+    A half-patch step shows in every patch the bar enters or leaves between two frames. train: 1024 rows, test: 50,
+    seeded.
+
+    >>> row = toy_motion_rows("test")[0]; row["problem"], row["answer"], len(row["videos"][0])
+    ('<video>', 'l', 4)
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"the toy_motion dataset has the splits 'train' and 'test', not {split!r}")
+    rng = random.Random(0 if split == "train" else 1)
+    rows = []
+    for _ in range(1024 if split == "train" else 50):
+        letter, start = rng.choice("lr"), rng.randrange(8)
+        frames = []
+        for t in range(4):
+            frame = np.zeros((56, 56, 3), dtype=np.uint8)
+            place = (start + (t if letter == "r" else -t)) % 8
+            frame[:, (7 * place + np.arange(14)) % 56] = 255
+            frames.append(Image.fromarray(frame))
+        rows.append({"problem": "<video>", "answer": letter, "videos": [frames]})
+    return rows
+
+
 def toy_tool_rows(split: str) -> list[dict]:
     """The built-in tool task "look it up": the prompt is a made-up four-letter word, the answer a digit that only
     the `lookup` tool (tools.py) knows; answer it and stop. train: 1024 rows, test: 50, seeded.
@@ -156,7 +209,8 @@ def toy_tool_rows(split: str) -> list[dict]:
             for _ in range(1024 if split == "train" else 50)]
 
 
-BUILTIN_ROWS = {"toy": toy_rows, "toy_vision": toy_vision_rows, "toy_tools": toy_tool_rows}
+BUILTIN_ROWS = {"toy": toy_rows, "toy_vision": toy_vision_rows, "toy_motion": toy_motion_rows,
+                "toy_tools": toy_tool_rows}
 
 
 def validation_files(train_files: str, val_files: str) -> tuple[str, str]:
@@ -305,20 +359,21 @@ class PromptItem(TypedDict):
 
         {"prompt": "<|im_start|>user\\n2221512<|im_end|>\\n<|im_start|>assistant\\n",
          "prompt_ids": [1, 38, 36, 22, 35, 104, ...], "ground_truth": "2",
-         "row": {"problem": "2221512", "answer": "2"}, "images": []}
+         "row": {"problem": "2221512", "answer": "2"}, "images": [], "videos": []}
     """
 
     prompt: str  # the chat-templated text
     prompt_ids: list[int]  # its tokens, no special tokens added
     ground_truth: Any  # row[answer_key], any type
     row: dict  # the full row, for the reward function
-    images: list  # row[image_key], or [] when absent / None
+    images: list  # row[image_key] as PIL images, resized; [] when absent / None
+    videos: list[Video]  # row[video_key], frames sampled and resized; [] when absent / None
 
 
 class PromptDataset:
     """The prompts of one dataset, ready for the rollout: item i is a PromptItem. `processor`: the model's
-    (vision-language models), which renders prompts with images and says how many tokens an image costs; `tools`:
-    the JSON schemas of the tools offered, which the chat template lists in the prompt (tools.py)."""
+    (vision-language models), which renders prompts with images and videos and says how many tokens each costs;
+    `tools`: the JSON schemas of the tools offered, which the chat template lists in the prompt (tools.py)."""
 
     def __init__(self, rows: datasets.Dataset, cfg: DataConfig, tokenizer, name: str, processor=None,
                  tools: list[dict] | None = None):
@@ -329,57 +384,75 @@ class PromptDataset:
         self.cfg, self.tokenizer, self.name, self.processor, self.tools = cfg, tokenizer, name, processor, tools
         self.template = load_template(cfg.format_prompt)
         self.has_images = cfg.image_key in rows.column_names
+        self.has_videos = cfg.video_key in rows.column_names
         # an image slot without its image breaks the model whatever the flag says; other control tokens in a
         # dataset's text would start or end turns of the conversation the model reads (a prompt injection)
         slots = {processor.image_token, processor.video_token} if processor is not None else set()
         controls = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special} | slots
         self.forbidden = sorted(slots if cfg.allow_special_tokens else controls)
 
-        def fits(text, images, index: int) -> bool:
-            if not isinstance(images, (list, tuple)):
-                raise ValueError(f"{self.where(index)}: column {cfg.image_key!r} must hold a list of images, got a "
-                                 f"{type(images).__name__} ({images!r:.60}); a row with one image holds a list of one")
-            length = len(self.prompt_ids(self.prompt(text, index, len(images))))
+        def fits(text, index: int, images=(), videos=()) -> bool:
+            length = len(self.prompt_ids(self.prompt(text, index, len(images), len(videos))))
             for number, image in enumerate(images):  # one <|image_pad|> in the prompt becomes the image's tokens
                 width, height = resized_size(*open_image(image, cfg.image_dir, self.where(index, number)).size,
                                              cfg.min_pixels, cfg.max_pixels)
-                try:
-                    length += self.image_tokens(width, height, index) - 1
-                except ValueError as error:  # the processor's own limits (Qwen-VL: aspect ratio below 200)
-                    file = f" (file {image!r})" if isinstance(image, str) else ""
-                    raise ValueError(f"{self.where(index, number)}{file}, {width} x {height} pixels after resizing: "
-                                     f"{error}") from None
+                length += self.tokens(image_tokens, (width, height), index, image=number, source=image) - 1
+            for number, video in enumerate(videos):  # and one <|video_pad|> its video's
+                where = self.where(index, video=number)
+                total, fps, size = probe_video(video, cfg.video_dir or cfg.image_dir, cfg.video_fps, where)
+                metadata = video_metadata(fps, frame_indices(total, fps, cfg.video_fps, cfg.max_frames), total,
+                                          *resized_size(*size, cfg.min_pixels, cfg.max_pixels))
+                length += self.tokens(video_tokens, metadata, index, video=number, source=video) - 1
             return length <= cfg.max_prompt_length
 
-        # only the prompt (and image) columns are read; images only as far as their size
-        if self.has_images:
-            columns, keep = [cfg.prompt_key, cfg.image_key], lambda text, images, index: fits(text, images or [], index)
-        else:
-            columns, keep = [cfg.prompt_key], lambda text, index: fits(text, [], index)
-        self.rows = rows.filter(keep, input_columns=columns, with_indices=True, keep_in_memory=True,
+        # only the prompt, image and video columns are read; images and videos only as far as their size
+        media = [(name, key) for name, key, present in (("images", cfg.image_key, self.has_images),
+                                                        ("videos", cfg.video_key, self.has_videos)) if present]
+
+        def keep(text, *values):  # the media columns' values, then the row's index
+            for (name, key), value in zip(media, values):
+                if value is not None and not isinstance(value, (list, tuple)):
+                    raise ValueError(f"{self.where(values[-1])}: column {key!r} must hold a list of {name}, got a "
+                                     f"{type(value).__name__} ({value!r:.60}); a row with one {name[:-1]} holds a list "
+                                     "of one")
+            return fits(text, values[-1], **{name: value or [] for (name, _), value in zip(media, values)})
+
+        # a fingerprint of our own: datasets would hash `keep` and all it refers to (a 151k-token tokenizer: a minute)
+        self.rows = rows.filter(keep, input_columns=[cfg.prompt_key] + [key for _, key in media], with_indices=True,
+                                keep_in_memory=True, new_fingerprint=generate_random_fingerprint(),
                                 desc=f"dropping prompts over {cfg.max_prompt_length} tokens")
         self.num_filtered = len(rows) - len(self.rows)
         if len(self.rows) == 0:
             raise ValueError(f"all {len(rows)} prompts of dataset {name!r} are longer than {cfg.max_prompt_length} "
-                             "tokens (images included); raise --data.max-prompt-length" +
-                             (" or lower --data.max-pixels" if self.has_images else ""))
+                             "tokens (images and videos included); raise --data.max-prompt-length" +
+                             (" or lower --data.max-pixels" if media else "") +
+                             (" or --data.max-frames" if self.has_videos else ""))
 
-    def where(self, index: int, image: int | None = None) -> str:
-        return f"dataset {self.name!r}, row {index}" + (f", image {image}" if image is not None else "")
+    def where(self, index: int, image: int | None = None, video: int | None = None) -> str:
+        return (f"dataset {self.name!r}, row {index}" + (f", image {image}" if image is not None else "") +
+                (f", video {video}" if video is not None else ""))
 
-    def image_tokens(self, width: int, height: int, index: int) -> int:
-        """Tokens the processor gives an image of this size (Qwen-VL: patches after the 2 x 2 merge)."""
+    def tokens(self, count, what, index: int, source, **which) -> int:
+        """`count(processor, what)`: the tokens the processor gives an image of a size or a video of a metadata; an
+        error names the row, the item and its file (a model without a processor, or the processor's own limits:
+        Qwen-VL's aspect ratio below 200)."""
+        kind = "images" if "image" in which else "videos"
         if self.processor is None:
-            raise ValueError(f"{self.where(index)} has images, but the model has no processor: image rows need a "
-                             "vision-language model (--actor.model-path), or drop the images (--data.image-key)")
-        images = self.processor.image_processor
-        return images.get_number_of_image_patches(height, width) // images.merge_size**2
+            raise ValueError(f"{self.where(index)} has {kind}, but the model has no processor: {kind[:-1]} rows need a "
+                             f"vision-language model (--actor.model-path), or drop the {kind} (--data.{kind[:-1]}-key)")
+        try:
+            return count(self.processor, what)
+        except ValueError as error:
+            file = f" (file {source!r})" if isinstance(source, str) else ""
+            size = what if isinstance(what, tuple) else (what["width"], what["height"])
+            raise ValueError(f"{self.where(index, **which)}{file}, {size[0]} x {size[1]} pixels after resizing: "
+                             f"{error}") from None
 
-    def prompt(self, text, index: int, num_images: int = 0) -> str:
+    def prompt(self, text, index: int, num_images: int = 0, num_videos: int = 0) -> str:
         """Row `index`'s prompt text -> format template -> chat template (one user turn + generation prompt).
 
-        In an image dataset, each `<image>` of the text becomes an image part of the message, which the chat
-        template renders as `<|vision_start|><|image_pad|><|vision_end|>`.
+        In an image (video) dataset, each `<image>` (`<video>`) of the text becomes an image (video) part of the
+        message, which the chat template renders as `<|vision_start|><|image_pad|><|vision_end|>` (`<|video_pad|>`).
         """
         if not isinstance(text, str):
             raise ValueError(f"{self.where(index)}: column {self.cfg.prompt_key!r} must hold text, got "
@@ -388,18 +461,20 @@ class PromptDataset:
             if token in text:
                 raise ValueError(f"{self.where(index)}: the prompt holds {token!r}, a control token of the model's "
                                  "tokenizer, which would act as one in its input" +
-                                 (": put `<image>` where an image goes" if token in ("<|image_pad|>", "<|video_pad|>")
-                                  else "; remove it, or pass --data.allow-special-tokens if the dataset really "
-                                  "carries control tokens"))
+                                 (": put `<image>` where an image goes, `<video>` where a video goes"
+                                  if token in ("<|image_pad|>", "<|video_pad|>") else "; remove it, or pass "
+                                  "--data.allow-special-tokens if the dataset really carries control tokens"))
         content = self.template.render(content=text) if self.template else text
-        if self.has_images and (num_images or "<image>" in content):
-            if content.count("<image>") != num_images:
-                raise ValueError(f"{self.where(index)}: {content.count('<image>')} <image> placeholders for "
-                                 f"{num_images} images; put one <image> in the prompt where each image goes, in order")
-            parts = content.split("<image>")  # text, image, text, image, ..., text
-            content = [part for i, text_part in enumerate(parts)
-                       for part in ([{"type": "image"}] if i else []) +
-                                   ([{"type": "text", "text": text_part}] if text_part else [])]
+        marks = [f"<{kind}>" for kind, count, present in (("image", num_images, self.has_images),
+                                                          ("video", num_videos, self.has_videos))
+                 if present and (count or f"<{kind}>" in content)]
+        for mark, count in (("<image>", num_images), ("<video>", num_videos)):
+            if mark in marks and content.count(mark) != count:
+                raise ValueError(f"{self.where(index)}: {content.count(mark)} {mark} placeholders for {count} "
+                                 f"{mark[1:-1]}s; put one {mark} in the prompt where each {mark[1:-1]} goes, in order")
+        if marks:  # text, image, text, video, ..., text
+            content = [{"type": part[1:-1]} if part in marks else {"type": "text", "text": part}
+                       for part in re.split("(" + "|".join(marks) + ")", content) if part]
         messages = [{"role": "user", "content": content}]
         renderer = self.processor if self.processor is not None else self.tokenizer
         return renderer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True, tokenize=False)
@@ -412,12 +487,14 @@ class PromptDataset:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> PromptItem:
-        row = self.rows[index]
-        images = [resize_image(open_image(value, self.cfg.image_dir, self.where(index, number)), self.cfg.min_pixels,
-                               self.cfg.max_pixels) for number, value in enumerate(row.get(self.cfg.image_key) or [])]
-        prompt = self.prompt(row[self.cfg.prompt_key], index, len(images))
-        return PromptItem(prompt=prompt, prompt_ids=self.prompt_ids(prompt), ground_truth=row[self.cfg.answer_key],
-                          row=row, images=images)
+        row, cfg = self.rows[index], self.cfg
+        images = [resize_image(open_image(value, cfg.image_dir, self.where(index, number)), cfg.min_pixels,
+                               cfg.max_pixels) for number, value in enumerate(row.get(cfg.image_key) or [])]
+        videos = [read_video(value, cfg, self.where(index, video=number))
+                  for number, value in enumerate(row.get(cfg.video_key) or [])]
+        prompt = self.prompt(row[cfg.prompt_key], index, len(images), len(videos))
+        return PromptItem(prompt=prompt, prompt_ids=self.prompt_ids(prompt), ground_truth=row[cfg.answer_key],
+                          row=row, images=images, videos=videos)
 
 
 # ---------------------------------------------------------------- images: decoding and the pixel budget
@@ -462,6 +539,93 @@ def resize_image(image: Image.Image, min_pixels: int, max_pixels: int) -> Image.
     size = resized_size(image.width, image.height, min_pixels, max_pixels)
     image = image.resize(size) if size != image.size else image
     return image.convert("RGB")
+
+
+# ---------------------------------------------------------------- videos: decoding and the frames kept
+
+
+def frame_indices(total: int, fps: float, video_fps: float, max_frames: int) -> list[int]:
+    """The frames kept of a `total`-frame video at `fps` frames a second: `video_fps` a second, spread uniformly from
+    the first frame to the last, an even number (the models read frames in pairs) from 2 to `max_frames` (rounded
+    down to even) and to `total` (rounded up: a one-frame video is its frame twice).
+
+    >>> frame_indices(100, 25.0, 2.0, 32)  # 4 seconds: 8 frames
+    [0, 14, 28, 42, 57, 71, 85, 99]
+    >>> frame_indices(1, 25.0, 2.0, 32), frame_indices(4, 2.0, 2.0, 32)
+    ([0, 0], [0, 1, 2, 3])
+    """
+    count = min(2 * max(1, round(total / fps * video_fps / 2)), max(2, max_frames - max_frames % 2), total + total % 2)
+    return np.linspace(0, total - 1, count).round().astype(int).tolist()
+
+
+@contextmanager
+def open_video(value, video_dir: str, where: str):
+    """A video file of a videos column (a path, relative ones joined with video_dir; {"bytes": ...} or bytes) opened
+    with PyAV: (container, its first video stream, how the errors name it), its errors naming the row and the file."""
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, str):
+        path = Path(video_dir) / value if video_dir else Path(value)
+        source, description = str(path), f"file {str(path)!r}"
+    elif isinstance(value, bytes):
+        source, description = io.BytesIO(value), f"of {len(value)} bytes"
+    else:
+        raise ValueError(f"{where}: a video must be a path, {{'bytes': ...}}, bytes or a list of frames, "
+                         f"got {type(value).__name__}")
+    try:
+        container = av.open(source)
+    except (av.FFmpegError, OSError) as error:
+        raise ValueError(f"{where}: cannot read video {description}: {error}") from error
+    with container:
+        if not container.streams.video:
+            raise ValueError(f"{where}: video {description} has no video stream")
+        try:
+            yield container, container.streams.video[0], description
+        except av.FFmpegError as error:
+            raise ValueError(f"{where}: cannot decode video {description}: {error}") from error
+
+
+def probe_video(value, video_dir: str, video_fps: float, where: str) -> tuple[int, float, tuple[int, int]]:
+    """(frames, frames per second, (width, height)) of a videos-column entry, without decoding its pixels: a file's
+    from its container (its packets counted where the container does not say), a list of frames' from its length,
+    `video_fps` and its first frame."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{where}: a list of frames with no frames")
+        return len(value), video_fps, open_image(value[0], video_dir, f"{where}, frame 0").size
+    with open_video(value, video_dir, where) as (container, stream, description):
+        total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        rate = stream.average_rate or stream.guessed_rate
+        size = (stream.codec_context.width, stream.codec_context.height)
+    if total == 0:
+        raise ValueError(f"{where}: video {description} has no frames")
+    if not rate:
+        raise ValueError(f"{where}: video {description} does not say its frame rate; give it as a list of frames")
+    return total, float(rate), size
+
+
+def read_video(value, cfg: DataConfig, where: str) -> Video:
+    """A videos-column entry as the engine and the trainer get it (vision.Video): its frame_indices frames, each
+    resized like an image (to the size its first frame gets)."""
+    video_dir = cfg.video_dir or cfg.image_dir
+    total, fps, size = probe_video(value, video_dir, cfg.video_fps, where)
+    indices = frame_indices(total, fps, cfg.video_fps, cfg.max_frames)
+    if isinstance(value, (list, tuple)):
+        frames = {i: open_image(value[i], video_dir, f"{where}, frame {i}") for i in set(indices)}
+    else:
+        frames, decoded = {}, 0
+        with open_video(value, video_dir, where) as (container, stream, description):
+            for decoded, frame in enumerate(container.decode(stream), 1):  # the frames are numbered from 0
+                if decoded - 1 in indices:
+                    frames[decoded - 1] = frame.to_image()
+                if decoded > indices[-1]:
+                    break
+        if decoded <= indices[-1]:
+            raise ValueError(f"{where}: video {description} decodes to {decoded} frames, not the {total} its "
+                             "container lists; re-encode it (ffmpeg -i IN OUT)")
+    width, height = resized_size(*size, cfg.min_pixels, cfg.max_pixels)
+    pixels = [frames[i] if frames[i].size == (width, height) else frames[i].resize((width, height)) for i in indices]
+    return Video(np.stack([np.asarray(frame.convert("RGB")) for frame in pixels]), fps, indices, total)  # [T, H, W, 3]
 
 
 # ---------------------------------------------------------------- batches: every rank its share

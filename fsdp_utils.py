@@ -38,7 +38,7 @@ from lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
 from plumbing.attention import attention_implementation
 from plumbing.checkpoints import out_of_space, readable_like_other_files, size_text
 from plumbing.tiny import model_class
-from vision import is_vision_language, keep_vision_tower_in_step
+from vision import is_vision_language, keep_vision_tower_in_step, use_original_positions
 
 
 def init_distributed(timeout_minutes: float = 30, cpu_offload: bool = False) -> tuple[int, int, torch.device]:
@@ -133,14 +133,16 @@ def check_hub_model(repo_id: str, flag: str) -> None:
 
 
 def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: torch.dtype = torch.float32,
-                       gradient_checkpointing: bool = False, cpu_offload: bool = False, lora: LoRAConfig | None = None):
+                       gradient_checkpointing: bool = False, cpu_offload: bool = False, lora: LoRAConfig | None = None,
+                       videos: bool = False):
     """Build the HF model on the meta device, shard it with FSDP2, fill it from rank 0's checkpoint.
 
     `dtype` is the stored (master) dtype: fp32 for the actor unless --actor.dtype says otherwise; the frozen
     reference needs no fp32 master copy, so on GPU it is stored in bf16, half the memory. `cpu_offload`: FSDP2
     keeps the parameters, gradients and optimizer states in CPU memory and copies each unit to the device
     for its forward and backward. `lora` with a rank: peft's LoRA adapters (lora.py), the only trainable weights;
-    on GPU the frozen base is then stored in bf16 whatever `dtype` says.
+    on GPU the frozen base is then stored in bf16 whatever `dtype` says. `videos`: a vision-language model's run
+    reads videos, so every forward runs its vision tower for videos too (vision.keep_vision_tower_in_step).
     """
     config = AutoConfig.from_pretrained(path)
     with_adapters = lora is not None and lora.rank > 0
@@ -163,7 +165,8 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
             fully_shard(module, mp_policy=mixed_precision, offload_policy=offload)
     if is_vision_language(config):  # the vision tower's own unit (its embedding, merger), then every forward runs it
         fully_shard(hf_model.model.visual, mp_policy=mixed_precision, offload_policy=offload)
-        keep_vision_tower_in_step(hf_model)
+        keep_vision_tower_in_step(hf_model, videos)
+        use_original_positions(hf_model)
     # the root unit is the Hugging Face model, inside peft's wrapper when there is one: its forward and `generate`
     # (the hf engine's, which peft passes through) both start at the root, where FSDP2 initialises itself
     fully_shard(hf_model, mp_policy=mixed_precision, offload_policy=offload)
@@ -198,17 +201,17 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
 
 
 def load_actor_and_reference(actor_cfg, lora_cfg: LoRAConfig, model_path: str, device: torch.device, uses_kl: bool,
-                             vision_language: bool, say):
+                             vision_language: bool, say, videos: bool = False):
     """The actor (`actor_cfg`: grpo.ActorConfig) and the frozen reference: None without KL, and with LoRA (the
-    actor with its adapters off is one)."""
+    actor with its adapters off is one). `videos`: the run reads videos (load_sharded_model)."""
     lora = lora_cfg.rank > 0
     actor_dtype = getattr(torch, actor_cfg.dtype)  # with LoRA on GPU, load_sharded_model stores the base in bf16
     actor = load_sharded_model(model_path, device, trainable=True, dtype=actor_dtype,
                                cpu_offload=actor_cfg.fsdp_cpu_offload,
-                               gradient_checkpointing=actor_cfg.gradient_checkpointing, lora=lora_cfg)
+                               gradient_checkpointing=actor_cfg.gradient_checkpointing, lora=lora_cfg, videos=videos)
     ref_dtype = torch.bfloat16 if device.type == "cuda" else actor_dtype  # frozen: no fp32 master copy needed
     ref = (load_sharded_model(model_path, device, trainable=False, dtype=ref_dtype,
-                              cpu_offload=actor_cfg.fsdp_cpu_offload) if uses_kl and not lora else None)
+                              cpu_offload=actor_cfg.fsdp_cpu_offload, videos=videos) if uses_kl and not lora else None)
     if lora:
         trainable = sum(p.numel() for p in actor.parameters() if p.requires_grad)
         say(f"LoRA rank {lora_cfg.rank}: {trainable:,} trainable parameters of "

@@ -58,7 +58,7 @@ from plumbing.trackers import Trackers, check_loggers, write_evaluation
 from rewards import RewardConfig, RewardError, RewardFunction, RewardInput
 from rollout import Response, RolloutConfig, start_engine, vllm_environment
 from tools import ToolRollout, episode_metrics, load_tools, tool_schema
-from vision import expand_images, is_vision_language, repeat
+from vision import concat, expand, is_vision_language, repeat
 
 
 @dataclass
@@ -531,7 +531,7 @@ def score_groups(reward_fn: RewardFunction, tokenizer, items: list[PromptItem],
             last = next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
             inputs.append(RewardInput(response=last, response_length=len(r.token_ids),
                                       ground_truth=item["ground_truth"], prompt=item["prompt"], row=item["row"],
-                                      images=item["images"], messages=messages))
+                                      images=item["images"], videos=item["videos"], messages=messages))
     scores = iter(reward_fn(inputs))
     return [Group(item, group, [next(scores) for _ in group]) for item, group in zip(items, responses)]
 
@@ -657,22 +657,20 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def batch_of(groups: list[Group], processor, pad_id: int, device: torch.device) -> Batch:
-    """The trainer's batch of a step's groups: a row per response, after its prompt; each `<|image_pad|>` expanded
-    to its image's tokens, and the row's image tensors, the prompt's then a tool's (vision.expand_images)."""
+    """The trainer's batch of a step's groups: a row per response, after its prompt; every image and video placeholder
+    expanded to its tokens (vision.expand: the prompt's once per group, a tool's images in the response), and the
+    row's pixel tensors, the prompt's then the response's."""
     prompts, responses, masks, engine_logprobs, vision = [], [], [], [], []
     for group in groups:
         item = group.item
-        (prompt_repeats,), prompt_images = expand_images(processor, [item["prompt_ids"]], item["images"])
+        (prompt,), _, prompt_pixels = expand(processor, [item["prompt_ids"]], item["images"], item["videos"])
         for r in group.responses:
-            response_repeats, images = [1] * len(r.token_ids), prompt_images
-            if r.images:
-                (prompt_repeats, response_repeats), images = expand_images(
-                    processor, [item["prompt_ids"], r.token_ids], item["images"] + r.images)
-            prompts.append(repeat(item["prompt_ids"], prompt_repeats))
-            responses.append(repeat(r.token_ids, response_repeats))
-            masks.append(repeat(r.mask if r.mask is not None else [1] * len(r.token_ids), response_repeats))
-            engine_logprobs.append(repeat(r.logprobs, response_repeats))
-            vision.append(images)
+            (response,), (repeats,), response_pixels = expand(processor, [r.token_ids], r.images)
+            prompts.append(prompt)
+            responses.append(response)
+            masks.append(repeat(r.mask if r.mask is not None else [1] * len(r.token_ids), repeats))
+            engine_logprobs.append(repeat(r.logprobs, repeats))
+            vision.append(concat(prompt_pixels, response_pixels))
     return make_batch(prompts, responses, pad_id, engine_logprobs, device, vision if processor else None, masks)
 
 
@@ -727,7 +725,8 @@ def main(cfg: Config) -> None:
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
         console.print(check_run_memory(cfg, model_path, world, gpu_bytes).summary())
     actor, ref = load_actor_and_reference(cfg.actor, cfg.lora, model_path, device, uses_kl and not cfg.trainer.val_only,
-                                          vision_language, say=console.print)  # an evaluation needs no reference
+                                          vision_language, console.print,  # an evaluation needs no reference
+                                          videos=train_set.has_videos or bool(val_set and val_set.has_videos))
     optimizer = build_optimizer(actor.parameters(), cfg.actor.optimizer, cfg.actor.lr, cfg.actor.betas,
                                 cfg.actor.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.actor.warmup_steps, cfg.actor.lr_schedule, cfg.actor.min_lr_ratio,

@@ -39,7 +39,8 @@ from fsdp_utils import reshard
 from lora import base_of
 from plumbing.collectives import all_reduce, to_device
 from plumbing.memory import CHUNK_TOKENS  # the output head's chunk, sized by the memory estimate
-from vision import PLACEHOLDER_BIAS, is_vision_language, placeholder_token_ids, vision_inputs
+from vision import (PLACEHOLDER_BIAS, is_vision_language, placeholder_token_ids, rope_index_arguments, token_types,
+                    vision_inputs)
 
 SEQUENCE, RESPONSE, ROW = "sequence", "response", "row"  # what a batch field spans: [B, T], [B, R], one value a row
 
@@ -229,11 +230,11 @@ def forward_inputs(model, batch: Batch, padding_free: bool) -> tuple[dict, torch
     images = vision_inputs(model, input_ids, batch.vision)
     if padding_free and is_vision_language(model.config):  # each sequence's 3-D M-RoPE positions, then packed
         valid = torch.arange(T) < torch.tensor(lengths)[:, None]  # [b, T]
-        rope, _ = base_of(model).model.get_rope_index(padded, (padded == model.config.image_token_id).int(),
-                                                      image_grid_thw=images.get("image_grid_thw"),
-                                                      attention_mask=valid.int().to(device))  # [3, b, T]
+        rope, _ = base_of(model).model.get_rope_index(padded, token_types(model.config, padded),
+                                                      attention_mask=valid.int().to(device),
+                                                      **rope_index_arguments(images))  # [3, b, T]
         positions = torch.cat([positions[None], rope.flatten(1)[:, on_device["tokens"]][:, None]])  # [4, 1, S]
-    elif images:  # padded, with images: the model computes its own 3-D positions
+    elif images:  # padded, with images or videos: the model computes its own 3-D positions
         positions = None
     inputs = {"input_ids": input_ids, **images, **packing}
     if positions is not None:

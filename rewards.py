@@ -66,6 +66,7 @@ class RewardInput(TypedDict):
     prompt: str  # the chat-formatted prompt text
     row: dict  # the whole dataset row, all columns
     images: list  # PIL images of the row; empty for text
+    videos: list  # the row's videos (vision.Video: frames [T, H, W, 3] uint8, fps, indices); empty for text
     messages: list[dict]  # the turns after the prompt: one assistant turn, or a tool episode's (tools.Episode)
 
 

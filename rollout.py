@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from data import PromptItem
 from fsdp_utils import gathered, stream_full_weights
-from vision import PLACEHOLDER_BIAS, expand_images, is_vision_language, placeholder_token_ids, repeat, vision_inputs
+from vision import PLACEHOLDER_BIAS, expand_prompt, is_vision_language, placeholder_token_ids, vision_inputs
 
 
 @dataclass
@@ -370,10 +370,15 @@ def _cpu_shm_segments() -> list[Path]:
 
 
 def _vllm_prompt(item: PromptItem) -> dict:
-    """A vLLM prompt from a dataset item: token ids, plus the images when the row has some."""
-    prompt = {"prompt_token_ids": item["prompt_ids"]}
+    """A vLLM prompt from a dataset item: token ids, plus the images and the videos (frames and metadata, which says
+    which frames they are: vLLM samples none itself) when the row has some."""
+    prompt, media = {"prompt_token_ids": item["prompt_ids"]}, {}
     if item.get("images"):
-        prompt["multi_modal_data"] = {"image": item["images"]}
+        media["image"] = item["images"]
+    if item.get("videos"):
+        media["video"] = [(video.frames, {**video.metadata(), "do_sample_frames": False}) for video in item["videos"]]
+    if media:
+        prompt["multi_modal_data"] = media
     return prompt
 
 
@@ -397,9 +402,9 @@ class HFRollout:
       records the log-prob of each sampled token; `generate` itself is asked for plain sampling, so no
       other processor (a checkpoint's repetition penalty, say) changes what is sampled.
     - The sampling RNG of the module docstring: the trainer's RNG is left untouched.
-    - Images (vision-language models): each prompt's `<|image_pad|>` expanded to its image's tokens and the pixels
-      from the processor, as the trainer gets them (vision.expand_images, vision.vision_inputs); transformers'
-      generate computes the 3-D M-RoPE positions of the left-padded rows from the attention mask.
+    - Images and videos (vision-language models): each prompt's placeholders expanded and the pixels from the
+      processor, as the trainer gets them (vision.expand_prompt, vision.vision_inputs); transformers' generate
+      computes the 3-D M-RoPE positions of the left-padded rows from the attention mask.
     """
 
     def __init__(self, cfg: RolloutConfig, model, model_path: str, device: torch.device):
@@ -445,8 +450,8 @@ class HFRollout:
         count, temperature, top_p = sampling(self.cfg, validation, greedy)
         n = n or count
         limits = max_tokens or [self.cfg.max_response_length] * len(prompts)
-        expanded = [expand_images(self.processor, [p["prompt_ids"]], p.get("images") or []) for p in prompts]
-        rows = [repeat(p["prompt_ids"], repeats) for p, ((repeats,), _) in zip(prompts, expanded)]
+        expanded = [expand_prompt(self.processor, p) for p in prompts]  # [(ids, pixel tensors or None)]
+        rows = [ids for ids, _ in expanded]
         # left padding: every prompt ends where generation starts
         P = max(map(len, rows), default=0)
         input_ids = torch.full((len(rows), P), self.pad_id, dtype=torch.long)  # [prompts, P]

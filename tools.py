@@ -325,7 +325,8 @@ class ToolRollout:
 
     def generate(self, prompts: list[dict], version: int, validation: bool = False,
                  greedy: bool = False) -> list[list[Response]]:
-        """Episodes for `prompts` (dataset items: prompt_ids, images, row): n per prompt, as the engine samples."""
+        """Episodes for `prompts` (dataset items: prompt_ids, images, videos, row): n per prompt, as the engine
+        samples."""
         cfg, budget = self.cfg, self.cfg.max_response_length
         cap = min(cfg.max_turn_tokens or budget, budget)
         sampled = self.engine.generate(prompts, version, validation, greedy, max_tokens=[cap] * len(prompts))
@@ -346,7 +347,8 @@ class ToolRollout:
             if all_reduce({"live": len(live)}, self.device, torch.distributed.ReduceOp.MAX)["live"] == 0:
                 break  # every rank stops at once: for some engines a turn is a collective
             contexts = [{"prompt_ids": item["prompt_ids"] + response.token_ids,
-                         "images": item["images"] + response.images} for item, response in live]
+                         "images": item["images"] + response.images, "videos": item["videos"]}
+                        for item, response in live]
             left = [min(cap, budget - self._length(response)) for _, response in live]
             turns = [group[0] for group in self.engine.generate(contexts, version, validation, greedy, n=1,
                                                                 max_tokens=left)]
@@ -393,7 +395,7 @@ class ToolRollout:
         given = ("" if ended else self.tokenizer.eos_token) + self.after_end + text[len(self.head):]
         ids = self.tokenizer(given, add_special_tokens=False)["input_ids"]
         images = [part for _, result in outcomes for part in result.content if isinstance(part, Image.Image)]
-        if self._length(response) + len(ids) + sum(image_tokens(self.processor, i) - 1 for i in images) \
+        if self._length(response) + len(ids) + sum(image_tokens(self.processor, i.size) - 1 for i in images) \
                 >= self.cfg.max_response_length:
             episode.stop_reason = "length"
             response.truncated = True
@@ -407,7 +409,7 @@ class ToolRollout:
 
     def _length(self, response: Response) -> int:
         """The response's length in the engine's tokens: each image counts as the tokens it expands into."""
-        return len(response.token_ids) + sum(image_tokens(self.processor, image) - 1 for image in response.images)
+        return len(response.token_ids) + sum(image_tokens(self.processor, image.size) - 1 for image in response.images)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         renderer = self.processor if self.processor is not None else self.tokenizer

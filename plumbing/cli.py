@@ -64,13 +64,15 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, advantage_
               "rollout.max-turn-tokens": (r.max_turn_tokens, 0), "rollout.tool-timeout": (r.tool_timeout, 0),
               "rollout.max-tool-errors": (r.max_tool_errors, 0),
               "rollout.val-temperature": (r.val_temperature, 0),
-              "data.max-prompt-length": (cfg.data.max_prompt_length, 1),
+              "data.max-prompt-length": (cfg.data.max_prompt_length, 1), "data.max-frames": (cfg.data.max_frames, 2),
               "algorithm.kl-coef": (cfg.algorithm.kl_coef, 0)}
     problems = [f"--{flag} {value} must be at least {low}" for flag, (value, low) in bounds.items() if value < low]
     if r.temperature <= 0:
         problems.append(f"--rollout.temperature {r.temperature} must be above 0: the trainer divides its logits by it, "
                         "and at 0 the n responses to a prompt are one and the same "
                         "(--rollout.val-temperature may be 0)")
+    if cfg.data.video_fps <= 0:
+        problems.append(f"--data.video-fps {cfg.data.video_fps} must be above 0: the frames kept per second of video")
     if not (0 < r.top_p <= 1 and 0 < r.val_top_p <= 1):
         problems.append(f"--rollout.top-p {r.top_p} and --rollout.val-top-p {r.val_top_p} must be in (0, 1]")
     if problems:  # the checks below divide by these numbers

@@ -69,11 +69,12 @@ from plumbing.checkpoints import readable_like_other_files
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>",
                   "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-CHAT_TEMPLATE = (  # Qwen's: content is text, or a list of {"type": "text", "text": ...} and {"type": "image"} parts
+CHAT_TEMPLATE = (  # Qwen's: content is text, or a list of {"type": "text", "text": ...}, image and video parts
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "{{ '<|im_end|>\n' }}"
     "{% endfor %}"
@@ -95,6 +96,7 @@ TOOLS_PREAMBLE = ("\\n\\n# Tools\\n\\nYou may call one or more functions to assi
 TOOLS_CLOSING = ("\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
                  "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
                  "<args-json-object>}\\n</tool_call>")
+TINY_MAX_FRAMES = 16  # frames a tiny VLM's video processor keeps at full size (Qwen3-VL's budget is per video)
 REAL_VOCABULARY = {"qwen2_5_bpe": "qwen2", "qwen2_5_vl_bpe": "qwen2_5_vl"}  # tiny name -> its architecture
 ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
@@ -270,10 +272,15 @@ def build_tiny_vlm(architecture: str, path: str | Path, seed: int = 0) -> Path:
     model = model_cls(config)
     model.generation_config = generation
     patch = vision["patch_size"]
-    pixels = dict(min_pixels=4 * patch * patch, max_pixels=64 * patch * patch, patch_size=patch, merge_size=2,
-                  temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    processor = processor_cls(image_processor=image_cls(**pixels), tokenizer=tokenizer, video_processor=video_cls(
-        patch_size=patch, merge_size=2, temporal_patch_size=2), chat_template=tokenizer.chat_template)
+    shape = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    pixels = dict(min_pixels=4 * patch * patch, max_pixels=64 * patch * patch, **shape)
+    # frames as small as images; Qwen3-VL's video budget counts the pixels of all frames, Qwen2(.5)-VL's of each one.
+    # The same mean and std as the images': vLLM normalises video frames with the image processor's
+    frames = 1 if video_cls is Qwen2VLVideoProcessor else TINY_MAX_FRAMES
+    videos = video_cls(size={"shortest_edge": 4 * patch * patch, "longest_edge": 64 * patch * patch * frames},
+                       cap_pixels_per_frame=False, do_sample_frames=False, **shape)
+    processor = processor_cls(image_processor=image_cls(**pixels), tokenizer=tokenizer, video_processor=videos,
+                              chat_template=tokenizer.chat_template)
     path = Path(path)
     model.save_pretrained(path)
     processor.save_pretrained(path)

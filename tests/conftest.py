@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import av
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -51,3 +53,22 @@ def world_of_one():
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def write_video(path: Path, frames: np.ndarray, fps: int = 4, codec: str = "mpeg4") -> Path:
+    """Encode frames [T, H, W, 3] (uint8) as a video file with PyAV (mp4 by default; .mkv with ffv1 is lossless)."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def stripes(frames: int, height: int = 56, width: int = 56) -> np.ndarray:
+    """Test frames [T, H, W, 3]: frame t has a bright column band at 7 t pixels (mod the width), on grey."""
+    video = np.full((frames, height, width, 3), 60, dtype=np.uint8)
+    for t in range(frames):
+        video[t, :, (7 * t) % width : (7 * t) % width + 7] = 250
+    return video

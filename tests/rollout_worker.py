@@ -1,8 +1,9 @@
 """Run under torchrun by test_rollout.py: generate, perturb the FSDP weights, sync, compare log-probs.
 
 argv: ENGINE (vllm | hf) ARCHITECTURE OUT. A vision-language ARCHITECTURE also generates for prompts with an
-image, before and after the sync (vLLM's encoder cache must not serve the old weights' embeddings), and the trainer
-scores the synced engine's image samples with the images. With the
+image and with a video, before and after the sync (vLLM's encoder cache must not serve the old weights' embeddings),
+and the trainer scores the synced engine's samples with the images and the video (8 frames, longer than wide: its
+positions are those of vision.use_original_positions). With the
 hf engine the two ranks get different response length limits (rank 0: 3 tokens, rank 1: 12), so they run different
 numbers of decoding steps: a collective inside generation would hang here.
 """
@@ -21,7 +22,8 @@ from fsdp_utils import init_distributed, load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
 from plumbing.tiny import VISION_ARCHITECTURES, build_tiny_model
 from rollout import RolloutConfig, build_rollout, vllm_environment
-from vision import expand_prompt
+from conftest import stripes
+from vision import Video, expand_prompt
 
 TEMPERATURE = 0.7
 
@@ -57,10 +59,10 @@ def main(engine: str, architecture: str, out: str):
     if rank == 0:
         build_tiny_model(architecture, path)
     dist.barrier()
-    actor = load_sharded_model(path, device, trainable=True)
+    actor = load_sharded_model(path, device, trainable=True, videos=architecture in VISION_ARCHITECTURES)
     max_tokens = 3 if engine == "hf" and rank == 0 else 12
     cfg = RolloutConfig(engine=engine, n=8, max_response_length=max_tokens, temperature=TEMPERATURE)
-    rollout = build_rollout(cfg, path, max_model_len=64, device=device, model=actor)
+    rollout = build_rollout(cfg, path, max_model_len=128, device=device, model=actor)
     prompts = [{"prompt_ids": [1, 40 + i + rank, 41, 2, 1, 18][: 3 + i]} for i in range(4)]  # lengths 3..6
     before = rollout.generate(prompts, version=0)
     gap_initial = logprob_gap(actor, prompts, before, pad_id=0)
@@ -71,6 +73,9 @@ def main(engine: str, architecture: str, out: str):
         start, pad, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
         image_prompts = [{"prompt_ids": [1, start, pad, end, 40 + rank, 41], "images": [Image.new("RGB", (56, 56), c)]}
                          for c in ((255, 0, 0), (0, 0, 255))]
+        frames = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        image_prompts.append({"prompt_ids": [1, start, frames, end, 42 + rank], "images": [],
+                              "videos": [Video(stripes(8), 2.0, list(range(8)), 8)]})
     image_groups = rollout.generate(image_prompts, version=0) if image_prompts else []
 
     torch.manual_seed(rank)

@@ -3,13 +3,16 @@
 import io
 import json
 
+import av
 import datasets
+import numpy as np
 import pytest
 from PIL import Image
 from transformers import AutoProcessor
 
-from data import (DataConfig, PromptDataset, PromptLoader, load_rows, resize_image, resized_size, shard, toy_rows,
-                  validation_files)
+from conftest import stripes, write_video
+from data import (DataConfig, PromptDataset, PromptLoader, frame_indices, load_rows, resize_image, resized_size, shard,
+                  toy_motion_rows, toy_rows, validation_files)
 from plumbing.tiny import build_tiny_model, build_tokenizer
 
 MATH_SUFFIX = (" You first think about the reasoning process as an internal monologue and then provide the final"
@@ -232,6 +235,156 @@ def test_image_rows_need_a_vision_language_model(tokenizer):
     rows = datasets.Dataset.from_list([{"problem": "<image>", "answer": "1", "images": [png((28, 28))]}])
     with pytest.raises(ValueError, match="row 0 has images, but the model has no processor"):
         PromptDataset(rows, DataConfig(), tokenizer, "vqa")
+
+
+# ---------------------------------------------------------------- video datasets (the same processor)
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def test_the_frames_kept_by_hand():
+    """--data.video-fps frames a second, spread from the first frame to the last, an even number within
+    --data.max-frames (and the video's own frames)."""
+    assert frame_indices(100, 25.0, 2.0, 32) == [0, 14, 28, 42, 57, 71, 85, 99]  # 4 s: linspace(0, 99, 8), rounded
+    assert frame_indices(100, 25.0, 2.0, 6) == [0, 20, 40, 59, 79, 99]  # capped at 6: 0, 19.8, 39.6, 59.4, 79.2
+    assert frame_indices(100, 25.0, 2.0, 7) == frame_indices(100, 25.0, 2.0, 6)  # the cap rounded down to even
+    assert frame_indices(12, 4.0, 2.0, 32) == [0, 2, 4, 7, 9, 11]  # 3 s: 6 frames, linspace(0, 11, 6) = 0, 2.2, ..
+    assert frame_indices(1, 30.0, 2.0, 32) == [0, 0]  # a still: its frame twice, a pair
+    assert frame_indices(3, 2.0, 2.0, 32) == [0, 1, 1, 2]  # 3 frames as 4: 0, 0.67, 1.33, 2
+
+
+def test_video_rows_every_form_beside_image_and_text_rows(tmp_path, processor):
+    """Video files (relative to --data.video-dir, absolute, {"bytes": ...}) and frame lists (images, paths), each in a
+    dataset of video, image-and-video and text rows: every `<video>` rendered where it stands with one
+    `<|video_pad|>`, the frames kept (2 a second, at most 4) resized like images, and where they come from."""
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    frames = stripes(12)  # 12 frames at 4 a second: 3 s
+    file = write_video(clips / "a.mp4", frames, fps=4)
+    for t in range(4):
+        Image.fromarray(frames[t]).save(clips / f"f{t}.png")
+    listed = [Image.fromarray(frame) for frame in frames[:4]]
+    cfg = DataConfig(video_dir=str(clips), image_dir=str(tmp_path), video_fps=2.0, max_frames=4, min_pixels=28 * 28,
+                     max_pixels=28 * 56)
+    forms = {"paths": ["a.mp4", str(file)], "bytes": [{"bytes": file.read_bytes()}] * 2,
+             "frames": [listed, listed], "frame paths": [[f"f{t}.png" for t in range(4)]] * 2}
+    for form, videos in forms.items():
+        rows = [{"problem": "<video>first, <video>second?", "answer": "r", "images": [], "videos": videos},
+                {"problem": "<image>and <video>", "answer": "r", "images": [png((28, 28))], "videos": videos[:1]},
+                {"problem": "text only", "answer": "1", "images": [], "videos": []}]
+        dataset = PromptDataset(datasets.Dataset.from_list(rows), cfg, processor.tokenizer, form, processor)
+        assert [dataset[i]["prompt"] for i in range(3)] == [chat(f"{VIDEO}first, {VIDEO}second?"),
+                                                            chat(f"{VISION}and {VIDEO}"), chat("text only")]
+        video = dataset[0]["videos"][0]
+        assert dataset[0]["prompt_ids"].count(processor.video_token_id) == 2  # vLLM expands each itself
+        assert len(dataset[1]["videos"]) == 1 and dataset[2]["videos"] == [] and len(dataset[1]["images"]) == 1
+        assert video.frames.shape == (4, 39, 39, 3) and video.frames.dtype == np.uint8  # 56 x 56 scaled to 1,568 px
+        if form in ("paths", "bytes"):  # 3 s at 2 a second is 6 frames, 4 at most: frames 0, 3.67, 7.33, 11
+            assert (video.fps, video.indices, video.total) == (4.0, [0, 4, 7, 11], 12)
+            band = video.frames[1].mean(axis=(0, 2))  # frame 4's bright band is at 28..35 of 56: 19.5..24.4 of 39
+            assert band[21] > 200 and band[5] < 100, band
+        else:  # a list of frames is taken as sampled at --data.video-fps
+            assert (video.fps, video.indices, video.total) == (2.0, [0, 1, 2, 3], 4)
+            assert np.array_equal(video.frames[2], np.asarray(listed[2].resize((39, 39))))
+
+
+def test_video_tokens_count_against_the_prompt_length(processor):
+    """A 56 x 56 frame is 4 x 4 patches and a pair of frames 4 tokens after the 2 x 2 merge: a 4-frame video is 8
+    tokens, an 8-frame one 16. The limit that keeps the text and the short video drops the long one, and what was
+    counted is the processor's own expansion."""
+    text_tokens = len(processor.tokenizer(chat(VIDEO + "x"), add_special_tokens=False).input_ids)
+    rows = [{"problem": "<video>x", "answer": str(count), "videos": [[png((56, 56))] * count]} for count in (4, 8)]
+    limit = text_tokens - 1 + 8
+    cfg = DataConfig(max_prompt_length=limit, video_fps=2.0, max_frames=8, min_pixels=28 * 28, max_pixels=56 * 56)
+    dataset = PromptDataset(datasets.Dataset.from_list(rows), cfg, processor.tokenizer, "lengths", processor)
+    assert dataset.num_filtered == 1 and dataset[0]["ground_truth"] == "4"
+    video = dataset[0]["videos"][0]
+    inputs = processor(text=[dataset[0]["prompt"]], videos=[video.frames], video_metadata=[video.metadata()],
+                       do_sample_frames=False)
+    assert len(inputs["input_ids"][0]) == limit
+    with pytest.raises(ValueError, match="raise --data.max-prompt-length or lower --data.max-pixels or --data.max-fr"):
+        PromptDataset(datasets.Dataset.from_list(rows), DataConfig(**{**vars(cfg), "max_prompt_length": limit - 1}),
+                      processor.tokenizer, "lengths", processor)
+
+
+def empty_video(path):
+    """A video file with a video stream and no frames (PyAV writes the header on its own only with the first)."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mjpeg", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 56, 56, "yuvj420p"
+        container.start_encoding()
+    return path
+
+
+def cut_video(path):
+    """A video file whose container lists 10 frames and holds 6 (cut at the seventh frame's packet)."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mjpeg", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 56, 56, "yuvj420p"
+        for frame in stripes(10):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    with av.open(str(path)) as container:
+        seventh = [packet.pos for packet in container.demux(container.streams.video[0]) if packet.size][6]
+    path.write_bytes(path.read_bytes()[:seventh])
+    return path
+
+
+FRAMES = [png((28, 28))] * 2
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"problem": "<video><video>", "videos": [FRAMES]}, "row 0: 2 <video> placeholders for 1 videos"),
+    ({"problem": "no placeholder", "videos": [FRAMES]}, "row 0: 0 <video> placeholders for 1 videos"),
+    ({"problem": "<video>", "videos": ["missing.mp4"]}, "row 0, video 0: cannot read video file .*missing.mp4"),
+    ({"problem": "<video>", "videos": [{"bytes": b"not a video"}]}, "row 0, video 0: cannot read video of 11 bytes"),
+    ({"problem": "<video>", "videos": ["empty.avi"]}, "row 0, video 0: video file .*empty.avi' has no frames"),
+    ({"problem": "<video>", "videos": [[]]}, "row 0, video 0: a list of frames with no frames"),
+    ({"problem": "<video>", "videos": [[b"not an image"]]}, "row 0, video 0, frame 0: cannot read image 12 bytes"),
+    ({"problem": "<video>", "videos": "clip.mp4"}, "row 0: column 'videos' must hold a list of videos"),
+])
+def test_video_row_errors_name_the_row_and_the_file(tmp_path, processor, row, message):
+    empty_video(tmp_path / "empty.avi")
+    rows = datasets.Dataset.from_list([{**row, "answer": "1"}])
+    with pytest.raises(ValueError, match=f"'bad', {message}"):
+        PromptDataset(rows, DataConfig(video_dir=str(tmp_path)), processor.tokenizer, "bad", processor)
+
+
+def test_a_video_that_decodes_short_of_its_container_is_named_when_read(tmp_path, processor):
+    """The length check reads the container's frame count; the frames themselves are decoded when the row is used."""
+    rows = datasets.Dataset.from_list([{"problem": "<video>", "answer": "1", "videos": [str(cut_video(tmp_path /
+                                                                                                       "cut.avi"))]}])
+    dataset = PromptDataset(rows, DataConfig(video_fps=4.0, min_pixels=28 * 28, max_pixels=56 * 56),
+                            processor.tokenizer, "cut", processor)
+    with pytest.raises(ValueError, match="row 0, video 0: video file .*cut.avi' decodes to 6 frames, not the 10 its "
+                                         "container lists"):
+        dataset[0]
+
+
+def test_video_rows_need_a_vision_language_model(tokenizer):
+    rows = datasets.Dataset.from_list([{"problem": "<video>", "answer": "1", "videos": [FRAMES]}])
+    with pytest.raises(ValueError, match="row 0 has videos, but the model has no processor: video rows need a "
+                                         "vision-language model"):
+        PromptDataset(rows, DataConfig(), tokenizer, "clips")
+
+
+def test_the_motion_task_needs_more_than_one_frame():
+    """toy_motion: over the rows, the bar's place in any one frame is spread the same way for both answers (so one
+    frame cannot tell them apart), and it steps one place a frame in the answer's direction."""
+    rows = toy_motion_rows("train")
+    assert len(rows) == 1024 and toy_motion_rows("test")[0]["answer"] == "l"
+    places = {"l": np.zeros((4, 8)), "r": np.zeros((4, 8))}
+    for row in rows:
+        frames = [np.asarray(frame)[0, :, 0] > 0 for frame in row["videos"][0]]  # the first row of pixels, red
+        where = [next(p for p in range(8) if frames[t][(7 * p + np.arange(14)) % 56].all()) for t in range(4)]
+        assert all(frame.sum() == 14 for frame in frames)
+        step = 1 if row["answer"] == "r" else -1
+        assert all((b - a) % 8 == step % 8 for a, b in zip(where, where[1:])), (row["answer"], where)
+        for t, place in enumerate(where):
+            places[row["answer"]][t, place] += 1
+    for answer, counts in places.items():  # every place about equally often in every frame, either way
+        shares = counts / counts.sum(axis=1, keepdims=True)
+        assert np.abs(shares - 1 / 8).max() < 0.06, (answer, shares.round(3))
 
 
 def test_overlong_prompts_are_dropped(tmp_path, tokenizer):

@@ -67,7 +67,7 @@ class Decoder(torch.nn.Module):
     def forward(self, input_ids, position_ids):
         return SimpleNamespace(last_hidden_state=torch.tanh(self.embed(input_ids) + self.position(position_ids)))
 
-    def get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw, attention_mask):
+    def get_rope_index(self, input_ids, mm_token_type_ids, attention_mask=None, **grids):
         """Text-only rows: the 3-D positions of M-RoPE are the 1-D ones, three times."""
         return torch.arange(input_ids.shape[1], device=input_ids.device).expand(3, *input_ids.shape), None
 
@@ -119,14 +119,22 @@ def test_batch_and_logprobs_stay_on_the_device(device, padding_free):
     assert_on(device, logprobs, batched_logprobs(model, batch, 0.7, micro_batch_size=3, padding_free=padding_free))
 
 
-def test_image_inputs_follow_the_batch_to_its_device(device):
-    """The image tensors come from the processor on the host; the forward gets them on the batch's device."""
-    input_ids = torch.tensor([[1, 14, 14, 5], [1, 5, 6, 0]], device=device)
-    rows = [{"pixel_values": torch.zeros(8, 6), "image_grid_thw": torch.tensor([[1, 2, 4]])}, None]
+def test_image_and_video_inputs_follow_the_batch_to_its_device(device):
+    """The image and video tensors come from the processor on the host; the forward gets them on the batch's device,
+    each row's in row order, and the token types (1 image, 2 video) are computed there."""
+    input_ids = torch.tensor([[1, 14, 14, 5], [1, 5, 6, 0], [1, 15, 15, 14]], device=device)
+    rows = [{"pixel_values": torch.zeros(8, 6), "image_grid_thw": torch.tensor([[1, 2, 4]])}, None,
+            {"pixel_values_videos": torch.ones(16, 6), "video_grid_thw": torch.tensor([[2, 2, 4]]),
+             "second_per_grid_ts": torch.tensor([1.0]), "pixel_values": torch.ones(4, 6),
+             "image_grid_thw": torch.tensor([[1, 2, 2]])}]
     inputs = vision_inputs(StandIn(), input_ids, rows)
-    assert inputs["pixel_values"].shape == (8, 6) and inputs["mm_token_type_ids"].shape == (2, 4)
+    assert inputs["pixel_values"].shape == (12, 6) and inputs["pixel_values_videos"].shape == (16, 6)
+    assert inputs["image_grid_thw"].shape == (2, 3) and inputs["second_per_grid_ts"].shape == (1,)
+    assert inputs["mm_token_type_ids"].shape == (3, 4)
+    if device.type != "meta":  # a meta tensor has no values
+        assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 0], [0, 0, 0, 0], [0, 2, 2, 1]]
     assert_on(device, *inputs.values())
-    assert vision_inputs(StandIn(), input_ids, [None, None]) == {}
+    assert vision_inputs(StandIn(), input_ids, [None, None, None]) == {}
 
 
 @pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))

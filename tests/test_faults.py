@@ -302,12 +302,13 @@ def test_ctrl_c_stops_with_one_line_saying_what_resumes(tmp_path):
 @pytest.mark.slow
 def test_impossible_flags_are_named_before_anything_loads(tmp_path):
     proc = grpo_alone(["--trainer.total-steps", "0", "--actor.lr", "-1", "--trainer.save-freq", "-1",
-                       "--rollout.max-response-length", "0", "--rollout.temperature", "0",
-                       "--trainer.output-dir", str(tmp_path)])
+                       "--rollout.max-response-length", "0", "--rollout.temperature", "0", "--data.max-frames", "1",
+                       "--data.video-fps", "0", "--trainer.output-dir", str(tmp_path)])
     assert proc.returncode == 1 and proc.stderr.count("error: invalid configuration") == 1
     for flag in ("--trainer.total-steps 0 must be at least 1", "--actor.lr -1.0 must be at least 0",
                  "--trainer.save-freq -1", "--rollout.max-response-length 0",
-                 "--rollout.temperature 0.0 must be above 0"):
+                 "--rollout.temperature 0.0 must be above 0", "--data.max-frames 1 must be at least 2",
+                 "--data.video-fps 0.0 must be above 0"):
         assert flag in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir())  # nothing written, no model built
 

@@ -12,6 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 from PIL import Image
+
+from conftest import stripes
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import logprobs
@@ -22,7 +24,7 @@ from logprobs import (balanced_bins, batched_logprobs, budget_bins, forward_inpu
 from plumbing.attention import PACKED_SDPA
 from plumbing.metrics import logprob_metrics
 from plumbing.tiny import build_tiny_model, build_tiny_vlm
-from vision import expand_prompt
+from vision import Video, expand_prompt, use_original_positions
 
 PROMPTS = [[1, 20, 21, 22, 2], [1, 30], [1, 40, 41], [1, 25, 26, 27, 28, 29, 30], [1, 33]]
 RESPONSES = [[50, 51, 2], [60, 61, 62, 63, 2], [70], [80, 81], [90, 91, 92, 93, 94, 95, 96, 2]]
@@ -126,23 +128,32 @@ def test_packed_equals_padded_logprobs_loss_and_gradients(model):
 
 @pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_packed_equals_padded_for_vision_language_models(tmp_path, architecture):
-    """Image rows (one and two images) and a text row packed into one row, with the 3-D M-RoPE positions of each
-    sequence under a row of text positions: each sequence's log-probs and the gradients equal those of the
-    padded batch, where the model computes its own positions."""
+    """Image rows (one and two images), video rows (a video; an image and a video longer than it is wide) and a
+    text row packed into one row, with the 3-D M-RoPE positions of each sequence under a row of text positions: each
+    sequence's log-probs and the gradients equal those of the padded batch, where the model computes its own
+    positions (the trainer's: vision.use_original_positions), and those of the sequence alone."""
     path = build_tiny_vlm(architecture, tmp_path / architecture)
     model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation=PACKED_SDPA)
+    use_original_positions(model)
     processor = AutoProcessor.from_pretrained(path)
     vocab = processor.tokenizer.convert_tokens_to_ids
-    start, pad, end = vocab("<|vision_start|>"), vocab("<|image_pad|>"), vocab("<|vision_end|>")
+    start, pad, end, frames = vocab("<|vision_start|>"), vocab("<|image_pad|>"), vocab("<|vision_end|>"), vocab(
+        "<|video_pad|>")
+    clip = Video(stripes(8), fps=2.0, indices=list(range(8)), total=8)
     items = [{"prompt_ids": [1, start, pad, end, 40, 41], "images": [Image.new("RGB", (56, 84), (255, 0, 0))]},
              {"prompt_ids": [1, 30, 31], "images": []},
              {"prompt_ids": [1, start, pad, end, 50, start, pad, end],
-              "images": [Image.new("RGB", (112, 56), (0, 255, 0)), Image.new("RGB", (56, 56), (0, 0, 255))]}]
+              "images": [Image.new("RGB", (112, 56), (0, 255, 0)), Image.new("RGB", (56, 56), (0, 0, 255))]},
+             {"prompt_ids": [1, start, frames, end, 42], "images": [], "videos": [replace(clip, frames=clip.frames[:4],
+                                                                                          indices=[0, 1, 2, 3])]},
+             {"prompt_ids": [1, start, pad, end, start, frames, end, 43], "images": [Image.new("RGB", (56, 56))],
+              "videos": [clip]}]
     prompts, images = zip(*[expand_prompt(processor, item) for item in items])
-    batch = make_batch(list(prompts), [[60, 61, 2], [70, 71, 72, 73, 2], [80]], pad_id=0, vision=list(images))
+    batch = make_batch(list(prompts), [[60, 61, 2], [70, 71, 72, 73, 2], [80], [81, 82], [83, 84, 2]], pad_id=0,
+                       vision=list(images))
     with torch.no_grad():
         packed, padded = response_logprobs(model, batch, 1.0, True), response_logprobs(model, batch, 1.0, False)
-        alone = [response_logprobs(model, batch.select([b]), 1.0, False)[0] for b in range(3)]
+        alone = [response_logprobs(model, batch.select([b]), 1.0, False)[0] for b in range(len(items))]
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
     torch.testing.assert_close(packed, torch.stack(alone), atol=1e-5, rtol=0)
     weights = torch.randn(packed.shape, generator=torch.Generator().manual_seed(2))

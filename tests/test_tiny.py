@@ -1,13 +1,17 @@
-"""plumbing/tiny.py's vision-language models: each builds, its processor expands an image placeholder into the image's
-tokens, and the model reads them (the text models are exercised by every other test)."""
+"""plumbing/tiny.py's vision-language models and vision.py: each model builds, its processor expands an image or a
+video placeholder into its tokens as the trainer does, the model reads them, every forward runs the vision tower as
+often, and Qwen2(.5)-VL's video positions are those of vLLM (the text models are exercised by every other test)."""
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
+from conftest import stripes
 from plumbing.tiny import VISION_ARCHITECTURES, build_tiny_model, model_class
-from vision import expand_prompt, keep_vision_tower_in_step, vision_inputs
+from vision import (Video, expand, expand_prompt, keep_vision_tower_in_step, token_types, use_original_positions,
+                    video_tokens, vision_inputs)
 
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
 
@@ -59,3 +63,108 @@ def test_the_trainer_expands_images_as_the_processor_does_and_always_runs_the_vi
         kept = model(input_ids=text_ids, use_cache=False).logits
         model(input_ids=torch.tensor([ids]), use_cache=False, **vision_inputs(model, torch.tensor([ids]), [tensors]))
     assert len(runs) == 2 and torch.equal(plain, kept)  # once for the blank image, once (not twice) with images
+
+
+def video(frames: int, fps: float = 2.0, side: int = 56) -> Video:
+    """A Video of `frames` test frames (conftest.stripes) as data.py gives it: each frame of a `frames`-frame video."""
+    return Video(stripes(frames, side, side), fps, list(range(frames)), frames)
+
+
+@pytest.mark.parametrize("architecture", sorted(VISION_ARCHITECTURES))
+def test_the_trainer_expands_videos_as_the_processor_does(tmp_path, architecture):
+    """vision.expand, for a video beside an image: the processor's own ids (Qwen3-VL's timestamps included), pixels,
+    grids and (Qwen2.5-VL) seconds per temporal patch, from the frames and metadata vLLM gets too; video_tokens
+    counts the same without the pixels; the token types say which token is which."""
+    path = build_tiny_model(architecture, tmp_path / architecture)
+    processor = AutoProcessor.from_pretrained(path)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|vision_start|><|video_pad|><|vision_end|>and<|vision_start|><|image_pad|><|vision_end|>" in text
+    # frames 0, 3, ..., 15 of a 16-frame video at 3 frames a second: sampled at 1.125 a second, pairs 0.5 s apart
+    clip = Video(np.random.default_rng(0).integers(0, 256, (6, 56, 84, 3), dtype=np.uint8), 3.0, [0, 3, 6, 9, 12, 15],
+                 16)
+    image = Image.new("RGB", (56, 56), (200, 30, 30))
+    ids = processor.tokenizer(text, add_special_tokens=False).input_ids
+    (expanded,), (repeats,), tensors = expand(processor, [ids], [image], [clip])
+    expected = processor(text=[text], images=[image], videos=[clip.frames], video_metadata=[clip.metadata()],
+                         do_sample_frames=False, return_tensors="pt")
+    assert expanded == expected["input_ids"][0].tolist() and sum(repeats) == len(expanded)
+    assert sorted(tensors) == sorted(set(expected) - {"input_ids", "attention_mask", "mm_token_type_ids"})
+    for key, value in tensors.items():
+        assert torch.equal(value, torch.as_tensor(expected[key])), key
+    assert torch.equal(token_types(AutoConfig.from_pretrained(path), torch.tensor([expanded])),
+                       expected["mm_token_type_ids"].int())
+    (alone,), _, _ = expand(processor, [[processor.video_token_id]], [], [clip])
+    assert video_tokens(processor, clip.metadata()) == len(alone)
+    if architecture == "qwen3_vl":  # a timestamp before each pair: the middle of its two frames' times
+        assert [s for s in ("<0.5 seconds>", "<2.5 seconds>", "<4.5 seconds>") if s in processor.decode(alone)] == [
+            "<0.5 seconds>", "<2.5 seconds>", "<4.5 seconds>"]
+    if architecture == "qwen2_5_vl":  # 2 frames a patch at 6 / 16 * 3 = 1.125 frames a second
+        torch.testing.assert_close(tensors["second_per_grid_ts"], torch.tensor([2 / 1.125]))
+
+
+@pytest.mark.parametrize("architecture", sorted(VISION_ARCHITECTURES))
+def test_a_run_with_videos_runs_the_vision_tower_twice_in_every_forward(tmp_path, architecture):
+    """keep_vision_tower_in_step(videos=True): a text forward, an image forward and a forward with an image and a
+    video each run the tower twice (blank where the micro-batch has none), so no rank's collectives fall short of
+    another's; the blanks change nothing."""
+    path = build_tiny_model(architecture, tmp_path / architecture)
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    start, end = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    pieces = {"text": ([1, 40, 41, 2], [], []), "image": ([1, start, processor.image_token_id, end, 40], [
+        Image.new("RGB", (56, 56))], []), "both": ([1, start, processor.image_token_id, end, start,
+                                                    processor.video_token_id, end, 41], [Image.new("RGB", (56, 56))],
+                                                   [video(4)])}
+    inputs = {}
+    for name, (ids, images, videos) in pieces.items():
+        (expanded,), _, tensors = expand(processor, [ids], images, videos)
+        inputs[name] = {"input_ids": torch.tensor([expanded]),
+                        **vision_inputs(model, torch.tensor([expanded]), [tensors] if tensors else [None])}
+    with torch.no_grad():
+        plain = {name: model(**x, use_cache=False).logits for name, x in inputs.items()}
+    keep_vision_tower_in_step(model, videos=True)
+    runs = []
+    model.model.visual.register_forward_hook(lambda *args: runs.append(1))
+    for name, x in inputs.items():
+        runs.clear()
+        with torch.no_grad():
+            kept = model(**x, use_cache=False).logits
+        assert len(runs) == 2 and torch.equal(plain[name], kept), name
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl"])
+def test_video_positions_are_those_of_the_original_code_and_of_vllm(tmp_path, architecture):
+    """use_original_positions: for images and for a video no longer than it is wide, the positions of transformers'
+    own get_rope_index; after a longer video, the text starts one past the video's largest position, time included,
+    where vLLM (get_mrope_input_positions) starts it: worked by hand for 8 frames of 2 x 2 merged patches after 2
+    text tokens. Qwen3-VL (a timestamp and a block per frame pair) keeps its own."""
+    path = build_tiny_model(architecture, tmp_path / architecture)
+    processor, model = AutoProcessor.from_pretrained(path), AutoModelForImageTextToText.from_pretrained(path)
+    start, end = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    transformers_rope = model.model.get_rope_index
+    use_original_positions(model)
+    assert model.model.get_rope_index is not transformers_rope
+
+    def positions(rope, ids, images, videos):
+        (expanded,), _, tensors = expand(processor, [ids], images, videos)
+        x = vision_inputs(model, torch.tensor([expanded]), [tensors])
+        grids = {key: x[key] for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if key in x}
+        return rope(torch.tensor([expanded]), x["mm_token_type_ids"], **grids)[0][:, 0]  # [3, L]
+
+    image = [1, start, processor.image_token_id, end, 40, start, processor.image_token_id, end, 41]
+    clip = [1, start, processor.video_token_id, end, 40, 41]
+    for ids, images, videos in ((image, [Image.new("RGB", (112, 56)), Image.new("RGB", (56, 84))], []),
+                                (clip, [], [video(2, side=112)])):  # one pair of frames, 4 x 4 merged patches
+        assert torch.equal(positions(model.model.get_rope_index, ids, images, videos),
+                           positions(transformers_rope, ids, images, videos))
+    # 8 frames at 2 a second: 4 pairs of 2 x 2 merged patches, 1 s a pair; Qwen2.5-VL: time = pair x 1 s x 4 (its
+    # tokens_per_second), Qwen2-VL: time = pair
+    step = model.config.vision_config.tokens_per_second if architecture == "qwen2_5_vl" else 1
+    time = [2 + pair * step for pair in range(4) for _ in range(4)]
+    rows, columns = [2 + r for _ in range(4) for r in (0, 0, 1, 1)], [2 + c for _ in range(4) for c in (0, 1, 0, 1)]
+    after = max(time) + 1  # vision_end, 40, 41
+    expected = torch.tensor([[0, 1, *axis, after, after + 1, after + 2] for axis in (time, rows, columns)])
+    got = positions(model.model.get_rope_index, clip, [], [video(8)])
+    assert torch.equal(got, expected), got
+    assert positions(transformers_rope, clip, [], [video(8)])[0, -3] == 2 + 2  # transformers 5.19: past h, w only

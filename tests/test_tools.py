@@ -48,7 +48,7 @@ PROMPT = [IM_START] + ids("user\nierq") + [IM_END] + ids("\n") + [IM_START] + id
 
 
 def item(answer: str = "7", prompt: list[int] = PROMPT) -> dict:
-    return {"prompt_ids": list(prompt), "images": [], "row": {"problem": "ierq", "answer": answer}}
+    return {"prompt_ids": list(prompt), "images": [], "videos": [], "row": {"problem": "ierq", "answer": answer}}
 
 
 def turn(text: str, end: bool = True, logprob: float = -0.5) -> Response:
@@ -504,7 +504,7 @@ def test_an_image_from_a_tool_joins_the_episode_and_counts_its_tokens(vl_process
     engine = ScriptedEngine([[[turn("?")]], [[turn("7")]]])
     cfg = RolloutConfig(tools="crop", tool_parser="toy", n=1, max_response_length=budget)
     rollout = ToolRollout(engine, cfg, {"lookup": crop}, vl_processor.tokenizer, vl_processor, torch.device("cpu"))
-    [[response]] = rollout.generate([{"prompt_ids": PROMPT, "images": [image], "row": {}}], 3)
+    [[response]] = rollout.generate([{"prompt_ids": PROMPT, "images": [image], "videos": [], "row": {}}], 3)
     given = (ids("\n") + [IM_START] + ids("tool\nhere:") + [VISION_START, IMAGE_PAD, VISION_END, IM_END] + ids("\n")
              + [IM_START] + ids("assistant\n"))
     assert len(given) == 28
@@ -581,7 +581,7 @@ def test_the_tool_turn_on_its_own_agrees_with_the_whole_conversations_rendering(
         engine = ScriptedEngine([[[Response(generated, [-0.5] * len(generated), False)]],
                                  [[Response(answer, [-0.5] * len(answer), False)]]])
         rollout = ToolRollout(engine, cfg, tools, tok, None, torch.device("cpu"))
-        [[response]] = rollout.generate([{"prompt_ids": prompt, "images": [], "row": {}}], 3)
+        [[response]] = rollout.generate([{"prompt_ids": prompt, "images": [], "videos": [], "row": {}}], 3)
         assert engine.calls[1]["prompt_ids"] == [prompt + generated + given]
         assert response.token_ids == generated + given + answer
         assert response.mask == [1] * len(generated) + [0] * len(given) + [1] * len(answer)

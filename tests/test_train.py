@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import grpo
-from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, free_port, torchrun
+from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, free_port, stripes, torchrun, write_video
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -107,36 +107,46 @@ def test_text_architectures_train(tmp_path, architecture, batching):
 @pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.slow
 def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, architecture):
-    """Image rows (one or two images, two sizes) and text rows in one dataset, in order: in step 1 rank 0 holds
-    only image rows and rank 1 only text rows, so rank 1 must run the vision tower on a blank image or the
-    FSDP collectives of the two ranks no longer match (a hang, or gloo's "collective mismatch")."""
+    """Video rows (a file of 8 frames, one of 4), image rows (one or two images, two sizes), rows with an image and a
+    video, and text rows in one dataset, in order: in step 1 rank 0 holds video and image rows and rank 1 only text
+    rows, in step 2 rank 0 image and text rows and rank 1 video rows, so a rank must run the vision tower on a blank
+    image or video whenever another runs it on a real one, or the FSDP collectives of the two ranks no longer match
+    (a hang, or gloo's "collective mismatch"). The trainer agrees with vLLM on every sample: the 8-frame video is
+    longer than it is wide, where transformers' own positions would not (vision.use_original_positions)."""
+    write_video(tmp_path / "long.mp4", stripes(8), fps=4)  # 8 frames kept at --data.video-fps 4
+    write_video(tmp_path / "short.mp4", stripes(4, 84, 56), fps=4)
+    # (images, video) of each row: step 1 gives rank 0 rows 0-3 and rank 1 rows 4-7, step 2 rows 8-11 and 12-15
+    layout = [(0, "long"), (0, "short"), (1, "long"), (1, None), *[(0, None)] * 5, (2, None), (0, None), (1, None),
+              (0, "long"), (2, "short"), (0, None), (0, "short")]
     rows = []
-    for i in range(16):
-        if 4 <= i < 12:
-            rows.append({"problem": f"{i % 10}{i % 10}{i % 10}", "answer": str(i % 10), "images": []})
+    for i, (count, video) in enumerate(layout):
+        if not count and not video:
+            rows.append({"problem": f"{i % 10}{i % 10}{i % 10}", "answer": str(i % 10), "images": [], "videos": []})
             continue
-        colour = (255 * (i % 2), 128, 0)
-        names = [f"{i}-{k}.png" for k in range(1 + i % 2)]
+        names = [f"{i}-{k}.png" for k in range(count)]
         for k, name in enumerate(names):
-            Image.new("RGB", (56 + 28 * k, 56), colour).save(tmp_path / name)
-        rows.append({"problem": "<image>" * len(names) + "colour?", "answer": "red", "images": names})
+            Image.new("RGB", (56 + 28 * k, 56), (255 * (i % 2), 128, 0)).save(tmp_path / name)
+        videos = [f"{video}.mp4"] if video else []
+        rows.append({"problem": "<image>" * count + "<video>" * len(videos) + "colour?", "answer": "red",
+                     "images": names, "videos": videos})
     data = tmp_path / "mixed.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     freeze = ["--actor.freeze-vision-tower"] if architecture == "qwen2_vl" else []
     # the R1-V recipe of the CLEVR and GeoQA presets, wired end to end: its template keeps the <image> placeholders
     r1v = (["--reward.function", "r1v", "--data.format-prompt", "templates/r1v.jinja",
             "--data.max-prompt-length", "640"] if architecture == "qwen3_vl" else [])
-    torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--data.train-files", str(data),
-              "--data.val-files", "", "--data.image-dir", str(tmp_path), "--data.no-shuffle",
-              "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
-              "--trainer.dist-timeout-minutes", "2", *FAST, *freeze, *r1v],
-             timeout=300)
+    output = torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--data.train-files", str(data),
+                       "--data.val-files", "", "--data.image-dir", str(tmp_path), "--data.no-shuffle",
+                       "--data.video-fps", "4", "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
+                       "--trainer.dist-timeout-minutes", "2", *FAST, *freeze, *r1v],
+                      timeout=300)
+    assert "data: 16 training prompts (0 longer than" in output
     run = tmp_path / f"tiny-{architecture}_mixed"  # no preset: the run is named after the model and the data
     metrics = read_metrics(run)
     assert len(metrics) == 2 and ("train/reward_format" in metrics[0]) == bool(r1v)
     for m in metrics:
         assert all(math.isfinite(v) for v in m.values()), m
-        assert m["rollout/logprob_diff_max"] < ENGINE_GAP, "the trainer and vLLM disagree on image samples"
+        assert m["rollout/logprob_diff_max"] < ENGINE_GAP, "the trainer and vLLM disagree on image or video samples"
     # the trained model is a Hugging Face folder with its processor; a frozen vision tower kept its weights
     final = run / "final"
     assert AutoProcessor.from_pretrained(final).image_processor.merge_size == 2

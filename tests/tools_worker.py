@@ -158,7 +158,7 @@ def main(engine: str, architecture: str, out: str):
             [{"role": "user", "content": content if vision else question}], tools=rollout.schemas,
             add_generation_prompt=True, tokenize=False)
         prompts.append({"prompt": prompt, "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"],
-                        "images": images, "row": {"id": i, "value": 10 * rank + i, "fail": rank == 1},
+                        "images": images, "videos": [], "row": {"id": i, "value": 10 * rank + i, "fail": rank == 1},
                         "ground_truth": str(i)})
     groups = rollout.generate(prompts, version=0)
     responses = [r for group in groups for r in group]
@@ -179,13 +179,13 @@ def main(engine: str, architecture: str, out: str):
         "tool_calls": [r.episode.tool_calls for r in responses],
         "tool_errors": [r.episode.tool_errors for r in responses],
         "engine_calls": len(recorder.calls), "checks": checks,
-        "lengths": [len(r.token_ids) + sum(image_tokens(processor, i) - 1 for i in r.images) for r in responses],
+        "lengths": [len(r.token_ids) + sum(image_tokens(processor, i.size) - 1 for i in r.images) for r in responses],
         "gap": (packed - batch.rollout_logprobs)[generated].abs().max().item(),
         "packed_vs_padded": (packed - padded)[generated].abs().max().item(),
         "generated_tokens": int(generated.sum()), "masked_tokens": int((valid & ~generated).sum()),
         "masked_share": (valid & ~generated).sum().item() / valid.sum().item(),
         "tool_images": sum(len(r.images) for r in responses),
-        "tool_image_tokens": sum(image_tokens(processor, i) for r in responses for i in r.images),
+        "tool_image_tokens": sum(image_tokens(processor, i.size) for r in responses for i in r.images),
         "image_slots_in_responses": int(image_slots.sum()),
         "image_slots_masked": not (image_slots & generated).any().item(),
         "rows_with_vision": sum(v is not None for v in batch.vision or []),
