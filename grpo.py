@@ -757,7 +757,7 @@ def main(cfg: Config) -> None:
     trackers = Trackers(list(cfg.trainer.logger) if rank == 0 else [], run_dir, dataclasses.asdict(cfg),
                         cfg.trainer.project_name, cfg.trainer.experiment_name, resume_step=first_step - 1)
     progress = RunProgress(console, cfg.trainer.total_steps, first_step, step_lines="console" in cfg.trainer.logger)
-    if val_items and cfg.trainer.val_before_train and start is None:
+    if val_set and cfg.trainer.val_before_train and start is None:  # every rank, with prompts or not
         val_metrics, samples = validate(rollout, val_items, 0, tokenizer, reward_fn, device)
         val_metrics = to_floats(val_metrics)
         trackers.log(val_metrics, 0, samples[:4])
@@ -813,7 +813,7 @@ def main(cfg: Config) -> None:
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
             samples = []
             last = step == cfg.trainer.total_steps
-            if val_items and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
+            if val_set and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
                 with timer("validate"):
                     val_metrics, samples = validate(rollout, val_items, step, tokenizer, reward_fn, device)
                     metrics.update(val_metrics)

@@ -217,6 +217,8 @@ class RewardFunction:
         self.keys: list[str] = []  # of the results so far: what a failed sample is scored 0 on
 
     def __call__(self, inputs: list[RewardInput]) -> list[dict[str, float]]:
+        if not inputs:  # a rank without prompts (a validation set smaller than the world)
+            return []
         if self.batch:
             results = self._call(inputs, 0, inputs[0], f"on a batch of {len(inputs)} samples")
             if not isinstance(results, RewardError) and (not isinstance(results, (list, tuple))

@@ -22,6 +22,14 @@ def all_reduce(values: dict[str, float | torch.Tensor], device: torch.device,
     return dict(zip(values, buffer.unbind()))
 
 
+def union_over_ranks(names: list[str]) -> list[str]:
+    """Every rank's names together, sorted (one object all-gather): the keys of a dict that all ranks reduce, where
+    a rank may hold none (a validation set smaller than the world). ["a"] and [] -> ["a"] on both ranks."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(names))
+    return sorted(set().union(*gathered))
+
+
 def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's sum over all ranks, in float64 on the tensor's own device (REINFORCE++'s global whitening)."""
     summed = tensor.detach().to(torch.float64)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from plumbing.collectives import all_reduce, to_floats
+from plumbing.collectives import all_reduce, to_floats, union_over_ranks
 
 
 class PhaseTimer:
@@ -58,7 +58,7 @@ def score_metrics(prefix: str, groups: list, device: torch.device) -> dict[str, 
     """Mean/std of every reward key and response-length stats over all ranks (`groups`: grpo.Group records)."""
     scores = [s for g in groups for s in g.scores]
     responses = [r for g in groups for r in g.responses]
-    keys = sorted(scores[0]) if scores else []
+    keys = union_over_ranks(list(scores[0]) if scores else [])  # a rank without samples reduces the same keys
     lengths = [len(r.token_ids) for r in responses]
     sums = {"count": len(scores), "length": sum(lengths), "truncated": sum(r.truncated for r in responses)}
     for key in keys:  # prefixed: a reward key may be called "length" too
@@ -98,13 +98,13 @@ def pass_metrics(prefix: str, groups: list, device: torch.device) -> dict[str, t
     Two prompts of 4 samples with 1 and 3 passing: pass@2 = (0.5 + 1.0) / 2 = 0.75; the values' standard deviation
     0.354 (n - 1 in the denominator) over sqrt(2) prompts, times 1.96: +- 0.49.
     """
-    n = min((len(g.scores) for g in groups), default=1)
+    n = min((len(g.scores) for g in groups), default=2**30)  # a rank without prompts leaves n to the others
     n = int(all_reduce({"n": n}, device, dist.ReduceOp.MIN)["n"])
-    keys = sorted(groups[0].scores[0]) if groups else []
+    keys = union_over_ranks(list(groups[0].scores[0]) if groups else [])
     sums = {"prompts": len(groups)}
     for key in keys:
         passed = [sum(s[key] >= PASS_SCORE for s in g.scores[:n]) for g in groups]
-        for k in (2**i for i in range(n.bit_length()) if 2**i <= n):
+        for k in (2**i for i in range(n.bit_length())):
             values = [pass_at_k(n, c, k) for c in passed]
             sums[f"{k} {key}"], sums[f"{k} {key}^2"] = sum(values), sum(v * v for v in values)
     totals = all_reduce(sums, device)
