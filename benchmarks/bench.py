@@ -3,7 +3,7 @@ trainer's update against a bare FSDP2 loop, padding-free against padded, the log
 
     .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --n 8 --max-tokens 512
-    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer or tools
+    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools or video
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -22,6 +22,10 @@ Each part runs in its own process (two vLLM engines do not share one process wel
 - tools (`--only tools`): the time in tools. A turn's calls, all at once (tools.run_calls) against one after
   another, for calls that sleep 0.2 s (a tool waiting on I/O); the threads' own cost; and the built-in tool task's job
   (`grpo.py toy_tools`): its mean time per phase and the seconds its episodes spent in the tool.
+- video (`--only video`): what a video costs before the model sees it. Reading a clip (PyAV's decode and the frames
+  kept, data.read_video) and the probe that counts its tokens at start-up (data.probe_video), for a 10 s, 30 frames a
+  second 640 x 360 H.264 clip; the processor's expansion of its frames for the trainer (vision.expand) at Qwen2.5-VL's
+  real sizes; and the built-in video task's job (`grpo.py toy_motion`): its mean time per phase.
 """
 
 import argparse
@@ -363,9 +367,61 @@ def tools_tables(args) -> None:
         print(f"| {key} | {sum(m[key] for m in lines) / len(lines):.4g} |")
 
 
+def video_tables(args) -> None:
+    import av
+    import numpy as np
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import write_video  # the tests' video writer (PyAV)
+    from data import DataConfig, probe_video, read_video
+    from plumbing.tiny import build_tokenizer
+    from vision import expand
+
+    with tempfile.TemporaryDirectory() as tmp:
+        moving = np.zeros((300, 360, 640, 3), dtype=np.uint8)  # 10 s at 30 a second, a bright square moving right
+        for t in range(300):
+            moving[t, 100:200, 2 * t : 2 * t + 100] = 220
+        clip = write_video(Path(tmp) / "clip.mp4", moving, fps=30, codec="libx264")
+        cfg = DataConfig(min_pixels=128 * 28 * 28, max_pixels=640 * 360)
+        start = time.perf_counter()
+        for _ in range(args.repeats):
+            probe_video(str(clip), "", cfg.video_fps, "clip")
+        probe = (time.perf_counter() - start) / args.repeats
+        start = time.perf_counter()
+        for _ in range(args.repeats):
+            video = read_video(str(clip), cfg, "clip")
+        read = (time.perf_counter() - start) / args.repeats
+        with av.open(str(clip)) as container:
+            codec = container.streams.video[0].codec_context.name
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=build_tokenizer(),
+                                    video_processor=Qwen2VLVideoProcessor(cap_pixels_per_frame=False))
+    start = time.perf_counter()
+    for _ in range(args.repeats):
+        (ids,), _, tensors = expand(processor, [[processor.video_token_id]], [], [video])
+    expansion = (time.perf_counter() - start) / args.repeats
+    print(f"A 10 s clip, 640 x 360 at 30 frames a second ({codec}); {len(video.indices)} frames kept at "
+          f"--data.video-fps {cfg.video_fps} ({video.frames.shape[2]} x {video.frames.shape[1]}), {len(ids):,} tokens "
+          f"at Qwen2.5-VL's processor sizes:\n\n| measure | seconds |\n|---|---|")
+    print(f"| the start-up probe of its frame count, rate and size (data.probe_video) | {probe:.4f} |")
+    print(f"| reading it: decode, the frames kept, resized (data.read_video) | {read:.3f} |")
+    print(f"| the trainer's expansion: the processor on its frames (vision.expand) | {expansion:.3f} |")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", "29536", "grpo.py", "toy_motion", "--trainer.total-steps", str(args.steps),
+                        "--trainer.output-dir", tmp, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+                        "--trainer.no-save-final"], check=True, cwd=ROOT, capture_output=not args.verbose)
+        lines = [json.loads(line) for line in (Path(tmp) / "toy_motion" / "metrics.jsonl").read_text().splitlines()]
+    lines = lines[1:]  # the first step includes vLLM's one-off warm-up
+    print(f"\nThe built-in video task, mean over steps 2-{args.steps} (`torchrun --nproc_per_node 2 grpo.py "
+          "toy_motion`, 512 samples of 4 frames a step):\n\n| measure | seconds |\n|---|---|")
+    for key in [k for k in lines[0] if k.startswith("timing/")]:
+        print(f"| {key} | {sum(m[key] for m in lines) / len(lines):.3f} |")
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=["rollout", "trainer", "tools"], help="one part of the benchmark")
+    parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video"], help="one part of the benchmark")
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=8)
@@ -394,6 +450,8 @@ def main():
         trainer_tables(args)
     if args.only in (None, "tools"):
         tools_tables(args)
+    if args.only in (None, "video"):
+        video_tables(args)
 
 
 if __name__ == "__main__":
