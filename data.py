@@ -399,7 +399,7 @@ class PromptDataset:
                 length += self.tokens(image_tokens, (width, height), index, image=number, source=image) - 1
             for number, video in enumerate(videos):  # and one <|video_pad|> its video's
                 where = self.where(index, video=number)
-                total, fps, size = probe_video(video, cfg.video_dir or cfg.image_dir, cfg.video_fps, where)
+                total, fps, size = probe_video(video, cfg, where)
                 metadata = video_metadata(fps, frame_indices(total, fps, cfg.video_fps, cfg.max_frames), total,
                                           *resized_size(*size, cfg.min_pixels, cfg.max_pixels))
                 length += self.tokens(video_tokens, metadata, index, video=number, source=video) - 1
@@ -500,24 +500,27 @@ class PromptDataset:
 # ---------------------------------------------------------------- images: decoding and the pixel budget
 
 
-def open_image(value, image_dir: str, where: str) -> Image.Image:
-    """One entry of an images column -> a PIL image (opened lazily: its size is known before its pixels are read).
-
-    A PIL image, {"bytes": b"..."} (or {"path": ...}, as `datasets` stores images), raw bytes, or a path
-    (relative ones joined with image_dir). `where` names the dataset, row and image in the errors.
-    """
-    if isinstance(value, Image.Image):
-        return value
+def file_source(value, folder: str, flag: str, where: str, forms: str) -> tuple[Any, str]:
+    """A file entry of an images or videos column -> (what to open: a path, or the bytes in a buffer; how the errors
+    name it). {"bytes": b"..."} (or {"path": ...}, as `datasets` stores images), raw bytes, or a path (relative
+    ones joined with `folder`, the value of `flag`); anything else is refused, naming the `forms` accepted."""
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     if isinstance(value, str):
-        path = Path(image_dir) / value if image_dir else Path(value)
-        source, description = path, f"file {str(path)!r} (--data.image-dir {image_dir!r})"
-    elif isinstance(value, bytes):
-        source, description = io.BytesIO(value), f"{len(value)} bytes"
-    else:
-        raise ValueError(f"{where}: an image must be a PIL image, {{'bytes': ...}}, bytes or a path, "
-                         f"got {type(value).__name__}")
+        path = Path(folder) / value if folder else Path(value)
+        return str(path), f"file {str(path)!r} ({flag} {folder!r})"
+    if isinstance(value, bytes):
+        return io.BytesIO(value), f"{len(value)} bytes"
+    raise ValueError(f"{where}: {forms}, got {type(value).__name__}")
+
+
+def open_image(value, image_dir: str, where: str, flag: str = "--data.image-dir") -> Image.Image:
+    """One entry of an images column (or a video's frame) -> a PIL image (opened lazily: its size is known before its
+    pixels are read): a PIL image, or a file (file_source). `where` names the dataset, row and image in the errors."""
+    if isinstance(value, Image.Image):
+        return value
+    source, description = file_source(value, image_dir, flag, where,
+                                      "an image must be a PIL image, {'bytes': ...}, bytes or a path")
     try:
         return Image.open(source)
     except (OSError, Image.UnidentifiedImageError) as error:
@@ -558,20 +561,23 @@ def frame_indices(total: int, fps: float, video_fps: float, max_frames: int) -> 
     return np.linspace(0, total - 1, count).round().astype(int).tolist()
 
 
+def video_folder(cfg: DataConfig) -> tuple[str, str]:
+    """(the folder relative video paths and frame paths are joined with, the flag that names it)."""
+    return (cfg.video_dir, "--data.video-dir") if cfg.video_dir else (cfg.image_dir, "--data.image-dir")
+
+
+def open_frame(value, cfg: DataConfig, where: str) -> Image.Image:
+    """One frame of a list of frames: an image in any form of an images column, relative paths in video_folder."""
+    folder, flag = video_folder(cfg)
+    return open_image(value, folder, where, flag)
+
+
 @contextmanager
-def open_video(value, video_dir: str, where: str):
-    """A video file of a videos column (a path, relative ones joined with video_dir; {"bytes": ...} or bytes) opened
-    with PyAV: (container, its first video stream, how the errors name it), its errors naming the row and the file."""
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    if isinstance(value, str):
-        path = Path(video_dir) / value if video_dir else Path(value)
-        source, description = str(path), f"file {str(path)!r}"
-    elif isinstance(value, bytes):
-        source, description = io.BytesIO(value), f"of {len(value)} bytes"
-    else:
-        raise ValueError(f"{where}: a video must be a path, {{'bytes': ...}}, bytes or a list of frames, "
-                         f"got {type(value).__name__}")
+def open_video(value, cfg: DataConfig, where: str):
+    """A video file of a videos column (file_source) opened with PyAV: (container, its first video stream, how the
+    errors name it), its errors naming the row and the file."""
+    source, description = file_source(value, *video_folder(cfg), where,
+                                      "a video must be a path, {'bytes': ...}, bytes or a list of frames")
     try:
         container = av.open(source)
     except (av.FFmpegError, OSError) as error:
@@ -585,15 +591,15 @@ def open_video(value, video_dir: str, where: str):
             raise ValueError(f"{where}: cannot decode video {description}: {error}") from error
 
 
-def probe_video(value, video_dir: str, video_fps: float, where: str) -> tuple[int, float, tuple[int, int]]:
+def probe_video(value, cfg: DataConfig, where: str) -> tuple[int, float, tuple[int, int]]:
     """(frames, frames per second, (width, height)) of a videos-column entry, without decoding its pixels: a file's
     from its container (its packets counted where the container does not say), a list of frames' from its length,
-    `video_fps` and its first frame."""
+    --data.video-fps and its first frame."""
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"{where}: a list of frames with no frames")
-        return len(value), video_fps, open_image(value[0], video_dir, f"{where}, frame 0").size
-    with open_video(value, video_dir, where) as (container, stream, description):
+        return len(value), cfg.video_fps, open_frame(value[0], cfg, f"{where}, frame 0").size
+    with open_video(value, cfg, where) as (container, stream, description):
         total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
         rate = stream.average_rate or stream.guessed_rate
         size = (stream.codec_context.width, stream.codec_context.height)
@@ -607,14 +613,13 @@ def probe_video(value, video_dir: str, video_fps: float, where: str) -> tuple[in
 def read_video(value, cfg: DataConfig, where: str) -> Video:
     """A videos-column entry as the engine and the trainer get it (vision.Video): its frame_indices frames, each
     resized like an image (to the size its first frame gets)."""
-    video_dir = cfg.video_dir or cfg.image_dir
-    total, fps, size = probe_video(value, video_dir, cfg.video_fps, where)
+    total, fps, size = probe_video(value, cfg, where)
     indices = frame_indices(total, fps, cfg.video_fps, cfg.max_frames)
     if isinstance(value, (list, tuple)):
-        frames = {i: open_image(value[i], video_dir, f"{where}, frame {i}") for i in set(indices)}
+        frames = {i: open_frame(value[i], cfg, f"{where}, frame {i}") for i in set(indices)}
     else:
         frames, decoded = {}, 0
-        with open_video(value, video_dir, where) as (container, stream, description):
+        with open_video(value, cfg, where) as (container, stream, description):
             for decoded, frame in enumerate(container.decode(stream), 1):  # the frames are numbered from 0
                 if decoded - 1 in indices:
                     frames[decoded - 1] = frame.to_image()

@@ -257,15 +257,20 @@ def run_part(part: str, args, torchrun: bool, nproc: int = 1) -> dict:
     return json.loads(out.read_text())
 
 
-def step_breakdown(args, engine: str) -> dict:
+def job_steps(args, preset: str, flags: tuple = ()) -> list[dict]:
+    """The metrics of steps 2 to --steps of `torchrun --nproc_per_node 2 grpo.py PRESET FLAGS` (the first step includes
+    vLLM's one-off warm-up); no validation, no final save."""
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_port", "29534", "grpo.py", "--rollout.engine", engine,
-                        "--trainer.total-steps", str(args.steps), "--trainer.output-dir", tmp,
-                        "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final"],
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        "29534", "grpo.py", preset, *flags, "--trainer.total-steps", str(args.steps),
+                        "--trainer.output-dir", tmp, "--trainer.experiment-name", "bench", "--trainer.val-freq", "0",
+                        "--trainer.no-val-before-train", "--trainer.no-save-final"],
                        check=True, cwd=ROOT, capture_output=not args.verbose)
-        lines = [json.loads(line) for line in (Path(tmp) / "tiny-qwen2_toy" / "metrics.jsonl").read_text().splitlines()]
-    lines = lines[1:]  # the first step includes vLLM's one-off warm-up
+        return [json.loads(line) for line in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()][1:]
+
+
+def step_breakdown(args, engine: str) -> dict:
+    lines = job_steps(args, "toy", ("--rollout.engine", engine))
     keys = [k for k in lines[0] if k.startswith("timing/")] + ["perf/tokens_per_s", "perf/peak_memory_gib"]
     return {k: sum(m[k] for m in lines) / len(lines) for k in keys}
 
@@ -352,13 +357,7 @@ def tools_tables(args) -> None:
     start = time.perf_counter()
     run_calls({"wait": wait}, [(ToolCall("wait", {"seconds": 0.0}), {}, [])] * 256, timeout=10, images_ok=False)
     print(f"\nThe threads' own cost: 256 calls of a tool that returns at once, {time.perf_counter() - start:.3f} s.")
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_port", "29535", "grpo.py", "toy_tools", "--trainer.total-steps", str(args.steps),
-                        "--trainer.output-dir", tmp, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
-                        "--trainer.no-save-final"], check=True, cwd=ROOT, capture_output=not args.verbose)
-        lines = [json.loads(line) for line in (Path(tmp) / "toy_tools" / "metrics.jsonl").read_text().splitlines()]
-    lines = lines[1:]  # the first step includes vLLM's one-off warm-up
+    lines = job_steps(args, "toy_tools")
     keys = [k for k in lines[0] if k.startswith("timing/")] + ["episode/turns", "episode/tool_calls",
                                                                "episode/tool_seconds"]
     print(f"\nThe built-in tool task, mean over steps 2-{args.steps} (`torchrun --nproc_per_node 2 grpo.py toy_tools`, "
@@ -386,7 +385,7 @@ def video_tables(args) -> None:
         cfg = DataConfig(min_pixels=128 * 28 * 28, max_pixels=640 * 360)
         start = time.perf_counter()
         for _ in range(args.repeats):
-            probe_video(str(clip), "", cfg.video_fps, "clip")
+            probe_video(str(clip), cfg, "clip")
         probe = (time.perf_counter() - start) / args.repeats
         start = time.perf_counter()
         for _ in range(args.repeats):
@@ -406,13 +405,7 @@ def video_tables(args) -> None:
     print(f"| the start-up probe of its frame count, rate and size (data.probe_video) | {probe:.4f} |")
     print(f"| reading it: decode, the frames kept, resized (data.read_video) | {read:.3f} |")
     print(f"| the trainer's expansion: the processor on its frames (vision.expand) | {expansion:.3f} |")
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_port", "29536", "grpo.py", "toy_motion", "--trainer.total-steps", str(args.steps),
-                        "--trainer.output-dir", tmp, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
-                        "--trainer.no-save-final"], check=True, cwd=ROOT, capture_output=not args.verbose)
-        lines = [json.loads(line) for line in (Path(tmp) / "toy_motion" / "metrics.jsonl").read_text().splitlines()]
-    lines = lines[1:]  # the first step includes vLLM's one-off warm-up
+    lines = job_steps(args, "toy_motion")
     print(f"\nThe built-in video task, mean over steps 2-{args.steps} (`torchrun --nproc_per_node 2 grpo.py "
           "toy_motion`, 512 samples of 4 frames a step):\n\n| measure | seconds |\n|---|---|")
     for key in [k for k in lines[0] if k.startswith("timing/")]:

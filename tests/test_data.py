@@ -337,8 +337,9 @@ FRAMES = [png((28, 28))] * 2
     ({"problem": "<video><video>", "videos": [FRAMES]}, "row 0: 2 <video> placeholders for 1 videos"),
     ({"problem": "no placeholder", "videos": [FRAMES]}, "row 0: 0 <video> placeholders for 1 videos"),
     ({"problem": "<video>", "videos": ["missing.mp4"]}, "row 0, video 0: cannot read video file .*missing.mp4"),
-    ({"problem": "<video>", "videos": [{"bytes": b"not a video"}]}, "row 0, video 0: cannot read video of 11 bytes"),
-    ({"problem": "<video>", "videos": ["empty.avi"]}, "row 0, video 0: video file .*empty.avi' has no frames"),
+    ({"problem": "<video>", "videos": [{"bytes": b"not a video"}]}, "row 0, video 0: cannot read video 11 bytes"),
+    ({"problem": "<video>", "videos": ["empty.avi"]},
+     "row 0, video 0: video file .*empty.avi' \\(--data.video-dir .*\\) has no frames"),
     ({"problem": "<video>", "videos": [[]]}, "row 0, video 0: a list of frames with no frames"),
     ({"problem": "<video>", "videos": [[b"not an image"]]}, "row 0, video 0, frame 0: cannot read image 12 bytes"),
     ({"problem": "<video>", "videos": "clip.mp4"}, "row 0: column 'videos' must hold a list of videos"),
@@ -356,8 +357,8 @@ def test_a_video_that_decodes_short_of_its_container_is_named_when_read(tmp_path
                                                                                                        "cut.avi"))]}])
     dataset = PromptDataset(rows, DataConfig(video_fps=4.0, min_pixels=28 * 28, max_pixels=56 * 56),
                             processor.tokenizer, "cut", processor)
-    with pytest.raises(ValueError, match="row 0, video 0: video file .*cut.avi' decodes to 6 frames, not the 10 its "
-                                         "container lists"):
+    with pytest.raises(ValueError, match="row 0, video 0: video file .*cut.avi' \\(--data.image-dir ''\\) decodes to 6 "
+                                         "frames, not the 10 its container lists"):
         dataset[0]
 
 
