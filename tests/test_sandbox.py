@@ -1,0 +1,103 @@
+"""plumbing/sandbox.py and the `code` reward: a program runs and is scored against its tests, and hostile programs
+(an endless loop, a fork bomb, a huge allocation, writing outside its folder, a socket, a signal to the trainer, a
+flood of output, too many files) score 0, are stopped by the protection meant for them, and leave the machine and
+this process as they were: no process left behind, no file written, nothing of its folder kept."""
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from plumbing.sandbox import Limits, protections, run_code
+from rewards import RewardConfig, RewardError, RewardFunction, extract_code
+
+TESTS = json.dumps({"tests": [{"input": "2 3\n", "output": "5"}, {"input": "-1 1\n", "output": "0"}]})
+MARK = Path(tempfile.gettempdir()) / "sandbox-escaped.txt"
+BURNS = ("killed", "timeout")  # RLIMIT_CPU's kill, or the launcher's clock first on a busy machine
+HOSTILE = {  # program, what stops it: (its status, the error it met)
+    "an endless loop": ("while True: pass", (BURNS, None)),
+    "a sleep": ("import time; time.sleep(60)", ("timeout", None)),  # the launcher's clock
+    "a fork bomb": ("import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", (BURNS, None)),
+    "a huge allocation": ("x = bytearray(8 << 30)", ("ok", "MemoryError")),
+    "writing outside": (f"open({str(MARK)!r}, 'w').write('out')", ("ok", "PermissionError")),
+    "a socket out": ("import socket; socket.create_connection(('1.1.1.1', 53), timeout=1)", ("ok", "Error")),
+    "a server": ("import socket; s = socket.socket(); s.bind(('0.0.0.0', 8765)); s.listen()", ("ok", "Error")),
+    "a signal to the trainer": (f"import os, signal; os.kill({os.getpid()}, signal.SIGKILL)",
+                                ("ok", "ProcessLookupError")),
+    "a process of its own": ("import subprocess; subprocess.run(['sleep', '60'])", ("ok", "BlockingIOError")),
+    "a flood of output": ("while True: print('x' * 10000)", ("output", None)),
+    "too many files": ("files = [open(f'f{i}', 'w') for i in range(1000)]", ("ok", "Too many open files")),
+}
+
+
+def sample(response: str, ground_truth: str = TESTS) -> dict:
+    return dict(response=response, response_length=len(response), ground_truth=ground_truth, prompt="add", row={},
+                images=[], videos=[], messages=[])
+
+
+def processes_named(text: str) -> list[str]:
+    return [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+            if text in line and "ps -eo" not in line]
+
+
+def test_this_machine_grants_every_protection():
+    assert protections() == {"privileges": True, "network": True, "other processes": True, "files": True,
+                             "tcp": True, "signals": True, "new processes": True}
+
+
+def test_a_program_reads_its_input_writes_its_folder_and_leaves_nothing():
+    source = "import os\nopen('notes.txt', 'w').write(input())\nprint(open('notes.txt').read() * 2, os.getcwd())"
+    outcome = asyncio.run(run_code(source, "ab\n", Limits()))
+    words = outcome.stdout.split()
+    assert (outcome.status, outcome.returncode, words[0]) == ("ok", 0, "abab")
+    assert Path(words[1]).name.startswith("sandbox-") and not Path(words[1]).exists()  # its folder is gone
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_programs_are_stopped_and_leave_the_machine_as_it_was(name):
+    """Each is stopped by its own protection (the status, or the error the program got), within its time limit;
+    afterwards no program of it runs, nothing was written outside, and this process (which one of them tried to
+    kill) is alive."""
+    MARK.unlink(missing_ok=True)
+    source, (status, error) = HOSTILE[name]
+    outcome = asyncio.run(run_code(source, "", Limits(seconds=2, memory_mib=256, output_bytes=1 << 16)))
+    assert outcome.status in status, outcome
+    if error:
+        assert error in outcome.stderr, outcome.stderr[-300:]
+    assert not processes_named("program.py") and not MARK.exists()
+
+
+def test_the_code_reward_scores_the_share_of_tests_passed_and_hostile_code_0():
+    reward = RewardFunction(RewardConfig("code", kwargs={"seconds": 2.0}))
+    right = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    half = "```python\na, b = map(int, input().split())\nprint(5)\n```"
+    asserts = json.dumps({"asserts": ["assert add(2, 3) == 5", "assert add(0, 0) == 0"]})
+    inputs = [sample(right), sample(half), sample("print(0"), sample("def add(a, b):\n    return a + b", asserts),
+              sample("def add(a, b):\n    return a * b", asserts)]
+    inputs += [sample(f"```python\n{source}\n```") for source, _ in HOSTILE.values()]
+    scores = reward(inputs)
+    assert [s["overall"] for s in scores[:5]] == [1.0, 0.5, 0.0, 1.0, 0.0]
+    assert [s["accuracy"] for s in scores[:5]] == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert all(s["overall"] == 0.0 for s in scores[5:])
+    assert not processes_named("program.py") and not MARK.exists()
+
+
+def test_the_code_in_a_response():
+    assert extract_code("Here:\n```python\nprint(1)\n```\nand\n```\nprint(2)\n```") == "print(2)\n"
+    assert extract_code("print(3)") == "print(3)"
+
+
+def test_a_machine_without_the_protections_is_refused_unless_asked(monkeypatch):
+    """Where the kernel grants no namespaces (no root, no unprivileged user namespaces), the reward refuses at
+    start-up, naming what is missing, unless the run accepts the weaker sandbox."""
+    import rewards
+
+    monkeypatch.setattr(rewards, "protections", lambda: {"network": False, "files": True, "new processes": True})
+    with pytest.raises(RewardError, match=re.escape("cannot enforce network on this machine")):
+        RewardFunction(RewardConfig("code"))
+    RewardFunction(RewardConfig("code", kwargs={"allow_weaker_sandbox": True}))
