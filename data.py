@@ -24,6 +24,7 @@ Where the rows come from (`name[@split]`, split `train` unless given):
     toy_vision               the built-in visual task "which colour fills the picture" (toy_vision_rows)
     toy_motion               the built-in video task "which way does the bar move" (toy_motion_rows)
     toy_tools                the built-in tool task "look it up" (toy_tool_rows; with --rollout.tools toy)
+    toy_code                 the built-in code task, programs run against tests (toy_code_rows; --reward.function code)
     data/math12k.parquet     one parquet, json, jsonl or csv file: the file is the split (no @split)
     data/math12k@test        a folder of such files, split by file name (train.jsonl, test-0000.parquet)
     hiyouga/math12k@test     a Hugging Face Hub dataset id (needs the network or a filled HF cache)
@@ -209,8 +210,40 @@ def toy_tool_rows(split: str) -> list[dict]:
             for _ in range(1024 if split == "train" else 50)]
 
 
+CODE_TASKS = [  # (task, the answer to an input), inputs drawn by toy_code_rows
+    ("Read two integers on one line and print their sum.", lambda a, b: f"{a + b}"),
+    ("Read two integers on one line and print their product.", lambda a, b: f"{a * b}"),
+    ("Read two integers on one line and print the larger one.", lambda a, b: f"{max(a, b)}"),
+    ("Read two integers a and b on one line and print a - b.", lambda a, b: f"{a - b}"),
+    ("Read two integers on one line and print YES if they are equal, else NO.", lambda a, b: "YES" if a == b else "NO"),
+    ("Read two integers a and b on one line and print the numbers from a to b, one per line (nothing if a > b).",
+     lambda a, b: "\n".join(str(i) for i in range(a, b + 1))),
+]
+
+
+def toy_code_rows(split: str) -> list[dict]:
+    """The built-in code task: small stdin-to-stdout programs (CODE_TASKS), each with 3 tests, for the `code` reward
+    (its sandbox runs the response's program on each test's input). train: 512 rows, test: 32, seeded. For a real
+    model (the tiny one writes no Python): `grpo.py code_qwen2_5_coder_1_5b`.
+
+    >>> row = toy_code_rows("test")[0]; row["problem"][:44], json.loads(row["answer"])["tests"][0]
+    ('Write a Python program. Read two integers on', {'input': '9 -7\n', 'output': '-63'})
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"the toy_code dataset has the splits 'train' and 'test', not {split!r}")
+    rng = random.Random(0 if split == "train" else 1)
+    rows = []
+    for _ in range(512 if split == "train" else 32):
+        task, answer = rng.choice(CODE_TASKS)
+        pairs = [(rng.randint(-9, 9), rng.randint(-9, 9)) for _ in range(3)]
+        tests = [{"input": f"{a} {b}\n", "output": answer(a, b)} for a, b in pairs]
+        rows.append({"problem": f"Write a Python program. {task} Answer with the program in a ```python block.",
+                     "answer": json.dumps({"tests": tests})})
+    return rows
+
+
 BUILTIN_ROWS = {"toy": toy_rows, "toy_vision": toy_vision_rows, "toy_motion": toy_motion_rows,
-                "toy_tools": toy_tool_rows}
+                "toy_tools": toy_tool_rows, "toy_code": toy_code_rows}
 
 
 def validation_files(train_files: str, val_files: str) -> tuple[str, str]:

@@ -223,6 +223,22 @@ def load_actor_and_reference(actor_cfg, lora_cfg: LoRAConfig, model_path: str, d
     return actor, ref
 
 
+def load_reward_model(path: str, device: torch.device, tokenizer, cpu_offload: bool = False) -> torch.nn.Module:
+    """A frozen sequence-classification reward model, sharded as the reference is (bf16 on GPU), that scores the
+    trainer's own token ids: its tokenizer must be the policy's."""
+    from transformers import AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    if model_class(config).__name__ != "AutoModelForSequenceClassification" or config.num_labels != 1:
+        raise SystemExit(f"--reward.model {path}: not a reward model (a ...ForSequenceClassification checkpoint of one "
+                         f"label), but {', '.join(config.architectures or [type(config).__name__])}")
+    if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
+        raise SystemExit(f"--reward.model {path}: its tokenizer is not the policy's, and the reward model scores the "
+                         "policy's token ids; pick a reward model trained on the policy's tokenizer")
+    return load_sharded_model(path, device, trainable=False, dtype=torch.bfloat16 if device.type == "cuda" else
+                              torch.float32, cpu_offload=cpu_offload)
+
+
 def move_training_state(device: torch.device | str, models: list, optimizer: torch.optim.Optimizer | None) -> None:
     """Move sharded models and an optimizer's states (AdamW's moments; its step counts stay on the host) to
     `device`: to the CPU while the engine generates, back for training (--actor.offload-while-generating).

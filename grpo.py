@@ -38,10 +38,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from data import DataConfig, PromptItem, PromptLoader, load_datasets, parse_spec, shard
+from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
 from fsdp_utils import (HF_MARKER, TrainingState, check_model_source, check_output_folder, init_distributed,
-                        load_actor_and_reference, save_hf_model)
-from logprobs import Batch, batched_logprobs, make_batch, micro_batches, response_logprobs
+                        load_actor_and_reference, load_reward_model, save_hf_model)
+from logprobs import Batch, batch_of, batched_logprobs, micro_batches, response_logprobs
 from lora import LoRAConfig, adapters_off
 from plumbing.attention import attention_line
 from plumbing.balance import balance_over_ranks
@@ -55,10 +55,10 @@ from plumbing.metrics import PhaseTimer, logprob_metrics, pass_metrics, score_me
 from plumbing.optimizer import build_optimizer, build_scheduler
 from plumbing.tiny import ARCHITECTURES, VISION_ARCHITECTURES, resolve_model
 from plumbing.trackers import Trackers, check_loggers, write_evaluation
-from rewards import RewardConfig, RewardError, RewardFunction, RewardInput
-from rollout import Response, RolloutConfig, start_engine, vllm_environment
+from rewards import Group, PendingScores, RewardConfig, RewardError, RewardFunction, Scoring
+from rollout import RolloutConfig, start_engine, vllm_environment
 from tools import ToolRollout, episode_metrics, load_tools, tool_schema
-from vision import concat, expand, is_vision_language, repeat
+from vision import is_vision_language
 
 
 @dataclass
@@ -508,69 +508,53 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, global_token
 # ==================================================================================================
 
 
-@dataclass
-class Group:
-    """The rollout of one prompt: its dataset item, its n responses, their reward dicts, and (ReMax) the
-    score of its greedy response."""
-
-    item: PromptItem
-    responses: list[Response]
-    scores: list[dict[str, float]]
-    baseline: float | None = None
-
-
-def score_groups(reward_fn: RewardFunction, tokenizer, items: list[PromptItem],
-                 responses: list[list[Response]]) -> list[Group]:
-    """Each prompt's responses scored by the reward function (one call for the whole batch). A multi-turn episode's
-    reward reads its turns (`messages`) and, as `response`, its last generated turn's text."""
-    inputs = []
-    for item, group in zip(items, responses):
-        for r in group:
-            messages = r.episode.messages if r.episode else [
-                {"role": "assistant", "content": tokenizer.decode(r.token_ids, skip_special_tokens=True)}]
-            last = next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
-            inputs.append(RewardInput(response=last, response_length=len(r.token_ids),
-                                      ground_truth=item["ground_truth"], prompt=item["prompt"], row=item["row"],
-                                      images=item["images"], videos=item["videos"], messages=messages))
-    scores = iter(reward_fn(inputs))
-    return [Group(item, group, [next(scores) for _ in group]) for item, group in zip(items, responses)]
-
-
-def collect_rollouts(rollout, loader: PromptLoader, reward_fn, tokenizer, cfg: Config, version: int,
-                     timer: PhaseTimer, device: torch.device) -> tuple[list[Group], dict]:
+def collect_rollouts(rollout, loader: PromptLoader, scoring: Scoring, cfg: Config, version: int,
+                     timer: PhaseTimer, device: torch.device) -> tuple[list[Group], dict, PendingScores | None]:
     """Generate and score rounds of prompts until this rank holds its share of groups.
 
-    One round, unless dynamic sampling drops groups: then more rounds, in lockstep over all ranks, until
-    every rank has rollout_batch_size / world_size kept groups (extras are cut). An estimator that needs a
-    greedy baseline (ReMax) also gets one greedy response per prompt, whose score is that group's baseline.
-    Returns the groups and sampling stats.
+    One round, unless dynamic sampling or --reward.on-error skip-group drops groups: then more rounds, in lockstep
+    over all ranks, until every rank has rollout_batch_size / world_size kept groups (extras are cut). An estimator
+    that needs a greedy baseline (ReMax) also gets one greedy response per prompt, whose score is that group's
+    baseline. Returns the groups, sampling stats, and (when nothing needs the scores yet) the pending scores of the
+    unscored groups, which the loop gives them after the log-prob passes (an async reward runs beside those), else
+    None. A reward model scores after the passes in any case: dynamic sampling filters on the function's keys.
     """
     algo = cfg.algorithm
     greedy_baseline = getattr(ADVANTAGE_ESTIMATORS[algo.adv_estimator], "greedy_baseline", False)
+    skip_failed = cfg.reward.on_error == "skip-group"
     quota = cfg.trainer.rollout_batch_size // dist.get_world_size()
-    kept, generated = [], 0
+    kept, generated, skipped = [], 0, 0
     for rounds in range(1, algo.max_sampling_rounds + 1):
         items = loader.next_batch()
         with timer("generate"):
             responses = rollout.generate(items, version)
             greedy = rollout.generate(items, version, greedy=True) if greedy_baseline else None
+        groups, pending = scoring.start(items, responses)
+        if not (algo.online_filtering or skip_failed or greedy):  # nothing drops groups: the scores may come later
+            return groups, {"rollout/sampling_rounds": 1, "rollout/kept_groups_ratio": 1.0}, pending
         with timer("reward"):
-            groups = score_groups(reward_fn, tokenizer, items, responses)
-            for group, greedy_group in zip(groups, score_groups(reward_fn, tokenizer, items, greedy) if greedy else []):
+            scoring.give(groups, pending)
+            for group, greedy_group in zip(groups, scoring(items, greedy) if greedy else []):
                 group.baseline = greedy_group.scores[0]["overall"]
-        kept += [g for g in groups if not algo.online_filtering
-                 or keep_group(g.scores, algo.filter_key, algo.filter_low, algo.filter_high)]
+        for group in groups:
+            if skip_failed and any(s["failed"] for s in group.scores):
+                skipped += 1
+            elif not algo.online_filtering or keep_group(group.scores, algo.filter_key, algo.filter_low,
+                                                         algo.filter_high):
+                kept.append(group)
         generated += len(items)
-        if not algo.online_filtering or all_reduce({"kept": len(kept)}, device, dist.ReduceOp.MIN)["kept"] >= quota:
+        if all_reduce({"kept": len(kept)}, device, dist.ReduceOp.MIN)["kept"] >= quota:
             break
     else:
         raise SystemExit(
             f"dynamic sampling: after {algo.max_sampling_rounds} rounds some rank kept fewer than {quota} groups "
-            f"with {algo.filter_low} < mean {algo.filter_key} < {algo.filter_high}. Raise "
-            "--algorithm.max-sampling-rounds, widen the bounds, or pick an easier start (model, data).")
+            f"with {algo.filter_low} < mean {algo.filter_key} < {algo.filter_high}" +
+            (" and no failed reward" if skip_failed else "") + ". Raise --algorithm.max-sampling-rounds, widen the "
+            "bounds, or pick an easier start (model, data).")
     kept = kept[:quota]
-    totals = all_reduce({"kept": len(kept), "generated": generated}, device)
-    return kept, {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": totals["kept"] / totals["generated"]}
+    totals = all_reduce({"kept": len(kept), "generated": generated, "skipped": skipped}, device)
+    return kept, {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": totals["kept"] / totals["generated"],
+                  "rollout/skipped_groups": totals["skipped"]}, None
 
 
 def backward_mini_batch(model, batch: Batch, cfg: Config) -> tuple[dict, torch.Tensor]:
@@ -641,37 +625,20 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config) -> tuple[dict, to
     return metrics, first_logprobs
 
 
-def validate(rollout, val_items, step, tokenizer, reward_fn, device: torch.device) -> tuple[dict, list[dict]]:
+def validate(rollout, val_items, step, scoring: Scoring) -> tuple[dict, list[dict]]:
     """Validation metrics over all ranks (mean rewards and lengths; pass@k of each reward key), and this rank's
     samples (prompt, response, ground truth, scores)."""
-    groups = score_groups(reward_fn, tokenizer, val_items, rollout.generate(val_items, step, validation=True))
-    samples = [{"prompt": g.item["prompt"], "response": tokenizer.decode(r.token_ids, skip_special_tokens=True),
-                "ground_truth": str(g.item["ground_truth"]), "score": s}
+    groups = scoring(val_items, rollout.generate(val_items, step, validation=True))
+    samples = [{"prompt": g.item["prompt"], "ground_truth": str(g.item["ground_truth"]), "score": s,
+                "response": scoring.tokenizer.decode(r.token_ids, skip_special_tokens=True)}
                for g in groups for r, s in zip(g.responses, g.scores)]
+    device = scoring.device
     return {**score_metrics("val", groups, device), **pass_metrics("val", groups, device)}, samples
 
 
 def check_config(cfg: Config, world_size: int) -> None:
     """Fail before anything is loaded, naming the flag to change (plumbing/cli.py, with this file's registries)."""
     check_flags(cfg, world_size, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs)
-
-
-def batch_of(groups: list[Group], processor, pad_id: int, device: torch.device) -> Batch:
-    """The trainer's batch of a step's groups: a row per response, after its prompt; every image and video placeholder
-    expanded to its tokens (vision.expand: the prompt's once per group, a tool's images in the response), and the
-    row's pixel tensors, the prompt's then the response's."""
-    prompts, responses, masks, engine_logprobs, vision = [], [], [], [], []
-    for group in groups:
-        item = group.item
-        (prompt,), _, prompt_pixels = expand(processor, [item["prompt_ids"]], item["images"], item["videos"])
-        for r in group.responses:
-            (response,), (repeats,), response_pixels = expand(processor, [r.token_ids], r.images)
-            prompts.append(prompt)
-            responses.append(response)
-            masks.append(repeat(r.mask if r.mask is not None else [1] * len(r.token_ids), repeats))
-            engine_logprobs.append(repeat(r.logprobs, repeats))
-            vision.append(concat(prompt_pixels, response_pixels))
-    return make_batch(prompts, responses, pad_id, engine_logprobs, device, vision if processor else None, masks)
 
 
 def main(cfg: Config) -> None:
@@ -686,6 +653,7 @@ def main(cfg: Config) -> None:
     if cfg.trainer.save_final:  # the run's final folder may only replace an earlier one of ours
         check_output_folder(run_dir / "final", overwrite=True, what="the run's final model folder")
     model_path = resolve_model(cfg.actor.model_path, cfg.trainer.output_dir)
+    reward_model_path = resolve_model(cfg.reward.model, cfg.trainer.output_dir)  # "" without one
     rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes, cfg.actor.fsdp_cpu_offload)
     dist.barrier()  # every node's tiny model is written
     check_model_source(model_path, cfg.actor.model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
@@ -718,6 +686,8 @@ def main(cfg: Config) -> None:
     if cfg.trainer.val_only and not val_set:
         raise SystemExit("--trainer.val-only: no validation data (the training data has no test or validation split); "
                          "name it with --data.val-files")
+    if reward_model_path and val_set and len(val_set) < world:  # its pass over validation samples is collective
+        raise SystemExit(f"--reward.model: {len(val_set)} validation prompts on {world} ranks; every rank needs one")
     reward_fn = RewardFunction(cfg.reward, cfg.rollout.max_response_length, report=report_once)
     algo = cfg.algorithm
     uses_kl = algo.use_kl_loss or algo.use_kl_in_reward
@@ -736,14 +706,17 @@ def main(cfg: Config) -> None:
         load_model(start, actor)
     elif start is not None:  # everything a step depends on, as it was after the checkpoint's step
         kl_coef = resume(start, actor, optimizer, scheduler, loader, console.print)["kl_coef"]
-    training_state = TrainingState([actor] + ([ref] if ref is not None else []), optimizer, device,
+    reward_model = load_reward_model(reward_model_path, device, tokenizer, cfg.actor.fsdp_cpu_offload) \
+        if reward_model_path else None
+    scoring = Scoring(reward_fn, tokenizer, reward_model, processor, device, cfg)
+    training_state = TrainingState([m for m in (actor, ref, reward_model) if m is not None], optimizer, device,
                                    offload=cfg.actor.offload_while_generating)
     rollout = start_engine(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                            actor, training_state, first_step - 1 if start is not None else None)
     if tools:  # the engine, playing whole episodes
         rollout = ToolRollout(rollout, cfg.rollout, tools, tokenizer, processor, device)
     if cfg.trainer.val_only:  # the loaded weights evaluated: every sample and the metrics to run_dir/eval/
-        metrics, samples = validate(rollout, val_items, first_step - 1, tokenizer, reward_fn, device)
+        metrics, samples = validate(rollout, val_items, first_step - 1, scoring)
         write_evaluation(run_dir, first_step - 1, to_floats(metrics), samples, console.print, data=val_set.name,
                          model=cfg.actor.model_path, checkpoint=str(start or ""), val_n=cfg.rollout.val_n)
         dist.barrier()  # the files are written
@@ -758,7 +731,7 @@ def main(cfg: Config) -> None:
                         cfg.trainer.project_name, cfg.trainer.experiment_name, resume_step=first_step - 1)
     progress = RunProgress(console, cfg.trainer.total_steps, first_step, step_lines="console" in cfg.trainer.logger)
     if val_set and cfg.trainer.val_before_train and start is None:  # every rank, with prompts or not
-        val_metrics, samples = validate(rollout, val_items, 0, tokenizer, reward_fn, device)
+        val_metrics, samples = validate(rollout, val_items, 0, scoring)
         val_metrics = to_floats(val_metrics)
         trackers.log(val_metrics, 0, samples[:4])
         console.print("validation before training: " + json.dumps({k: round(v, 4) for k, v in val_metrics.items()}))
@@ -767,7 +740,7 @@ def main(cfg: Config) -> None:
             timer = PhaseTimer(device)
 
             # ---- generate + score (more rounds when dynamic sampling drops groups) ------------------------
-            groups, metrics = collect_rollouts(rollout, loader, reward_fn, tokenizer, cfg, step - 1, timer, device)
+            groups, metrics, pending = collect_rollouts(rollout, loader, scoring, cfg, step - 1, timer, device)
             rollout.sleep()
             training_state.to_device()
             batch = batch_of(groups, processor, tokenizer.pad_token_id, device)
@@ -780,6 +753,9 @@ def main(cfg: Config) -> None:
                     batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch, **passes)
 
             # ---- token rewards, advantages ---------------------------------------------------------------
+            with timer("reward"):  # what an async reward has left (it ran beside the passes above), the model's pass
+                scoring.give(groups, pending)
+                scoring.model_scores(groups, batch)
             scores = torch.tensor([s["overall"] for g in groups for s in g.scores], device=device)  # [B]
             if algo.use_kl_in_reward:
                 metrics["actor/kl_reward_coef"] = kl_coef
@@ -815,7 +791,7 @@ def main(cfg: Config) -> None:
             last = step == cfg.trainer.total_steps
             if val_set and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
                 with timer("validate"):
-                    val_metrics, samples = validate(rollout, val_items, step, tokenizer, reward_fn, device)
+                    val_metrics, samples = validate(rollout, val_items, step, scoring)
                     metrics.update(val_metrics)
             metrics = step_totals(metrics, timer, sum(batch.sequence_lengths), device)
             trackers.log(metrics, step, samples[:4])  # before the checkpoint: a resume from it never misses this

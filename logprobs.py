@@ -39,8 +39,8 @@ from fsdp_utils import reshard
 from lora import base_of
 from plumbing.collectives import all_reduce, to_device
 from plumbing.memory import CHUNK_TOKENS  # the output head's chunk, sized by the memory estimate
-from vision import (PLACEHOLDER_BIAS, is_vision_language, placeholder_token_ids, rope_index_arguments, token_types,
-                    vision_inputs)
+from vision import (PLACEHOLDER_BIAS, concat, expand, is_vision_language, placeholder_token_ids, repeat,
+                    rope_index_arguments, token_types, vision_inputs)
 
 SEQUENCE, RESPONSE, ROW = "sequence", "response", "row"  # what a batch field spans: [B, T], [B, R], one value a row
 
@@ -141,6 +141,24 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
     return Batch.from_rows(rows, pad_id, device)
 
 
+def batch_of(groups: list, processor, pad_id: int, device: torch.device) -> Batch:
+    """The trainer's batch of a step's groups (grpo.Group: a prompt's item and its responses): a row per response,
+    after its prompt; every image and video placeholder expanded to its tokens (vision.expand: the prompt's once per
+    group, a tool's images in the response), and the row's pixel tensors, the prompt's then the response's."""
+    prompts, responses, masks, engine_logprobs, vision = [], [], [], [], []
+    for group in groups:
+        item = group.item
+        (prompt,), _, prompt_pixels = expand(processor, [item["prompt_ids"]], item["images"], item["videos"])
+        for r in group.responses:
+            (response,), (repeats,), response_pixels = expand(processor, [r.token_ids], r.images)
+            prompts.append(prompt)
+            responses.append(response)
+            masks.append(repeat(r.mask if r.mask is not None else [1] * len(r.token_ids), repeats))
+            engine_logprobs.append(repeat(r.logprobs, repeats))
+            vision.append(concat(prompt_pixels, response_pixels))
+    return make_batch(prompts, responses, pad_id, engine_logprobs, device, vision if processor else None, masks)
+
+
 # ---- micro-batches -----------------------------------------------------------------------------------
 
 
@@ -212,7 +230,7 @@ def forward_inputs(model, batch: Batch, padding_free: bool) -> tuple[dict, torch
     prompts, responses, lengths = batch.prompt_lengths, batch.response_lengths, batch.sequence_lengths
     T, R, device = max(lengths), batch.responses.shape[1], batch.input_ids.device
     padded = batch.input_ids[:, :T]  # [b, T]
-    starts = [0, *itertools.accumulate(lengths)][:-1] if padding_free else [b * T for b in range(len(lengths))]
+    starts = sequence_starts(lengths, padding_free)
     host = {"index": [start + p - 1 + t for start, p, r in zip(starts, prompts, responses) for t in range(r)],
             "slots": [row * R + t for row, r in enumerate(responses) for t in range(r)]}
     if padding_free:
@@ -240,6 +258,14 @@ def forward_inputs(model, batch: Batch, padding_free: bool) -> tuple[dict, torch
     if positions is not None:
         inputs["position_ids"] = positions
     return inputs, on_device["index"], on_device["slots"]
+
+
+def sequence_starts(lengths: list[int], padding_free: bool) -> list[int]:
+    """Where each sequence starts among a micro-batch's flattened token positions: packed back to back, or one
+    padded row of the longest length each. Lengths [3, 5]: packed [0, 3], padded [0, 5]."""
+    if padding_free:
+        return [0, *itertools.accumulate(lengths)][:-1]
+    return [b * max(lengths) for b in range(len(lengths))]
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -302,5 +328,34 @@ def batched_logprobs(model, batch: Batch, temperature: float, micro_batch_size: 
                                                                            padding_free)
     finally:
         model.train(was_training)
+    reshard(model)
+    return out
+
+
+def sequence_scores(model, batch: Batch, padding_free: bool = True) -> torch.Tensor:
+    """A reward model's score of each whole sequence of a micro-batch [b]: its score head (a sequence-classification
+    model's `score`) on the decoder's hidden state at the sequence's last token, as the model pools it itself."""
+    inputs, _, _ = forward_inputs(model, batch, padding_free)
+    captured = []
+    hook = model.model.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+    try:  # the model's own forward (FSDP2's hooks run); its pooling of a packed row is not used
+        model(**inputs, use_cache=False)
+    finally:
+        hook.remove()
+    lengths = batch.sequence_lengths
+    ends = to_device({"ends": [start + n - 1 for start, n in zip(sequence_starts(lengths, padding_free), lengths)]},
+                     batch.input_ids.device)["ends"]
+    return model.score(captured[0].flatten(0, 1)[ends]).float()[:, 0]  # [b]
+
+
+@torch.no_grad()
+def batched_scores(model, batch: Batch, micro_batch_size: int, max_tokens: int = 0,
+                   padding_free: bool = True) -> torch.Tensor:
+    """sequence_scores over micro-batches (micro_batches) -> [B], in eval mode, the root resharded after
+    (batched_logprobs)."""
+    out = torch.zeros(len(batch), device=batch.input_ids.device)  # [B]
+    model.eval()
+    for rows in micro_batches(batch, micro_batch_size, max_tokens):
+        out[torch.tensor(rows, device=out.device)] = sequence_scores(model, batch.select(rows), padding_free)
     reshard(model)
     return out

@@ -20,13 +20,17 @@ Use: `--reward.function math --reward.kwargs format_weight 0.2`
   or `--reward.function my_rewards.py:score --reward.batch`.
 """
 
+import asyncio
+import concurrent.futures
 import importlib.util
 import inspect
+import json
 import re
 import signal
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -35,28 +39,58 @@ from numbers import Real
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
+import jinja2
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
+
+from logprobs import batch_of, batched_scores
+from plumbing.sandbox import Limits, protections, run_code
 
 
 @dataclass
 class RewardConfig:
     function: str = "toy"
-    """Reward function: a built-in name (toy, math, r1v) or `path/to/file.py:function_name`."""
+    """Reward function: a built-in name (toy, math, r1v, toy_tools, code, judge), `path/to/file.py:function_name`,
+    or none (every sample 0: the reward model's score alone)."""
     kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Keyword arguments passed to the reward function, e.g. `--reward.kwargs format_weight 0.2`."""
     batch: bool = False
     """True: fn(list[RewardInput], **kwargs) -> list[dict];
-    False: fn(RewardInput, **kwargs) -> dict, called per sample."""
+    False: fn(RewardInput, **kwargs) -> dict, called per sample. Either may be an `async def`."""
+    max_concurrency: int = 32
+    """Async rewards (code and judge included): calls running at once on each rank."""
+    model: str = ""
+    """A reward model: a Hugging Face sequence-classification checkpoint (a Bradley-Terry reward model) whose score of
+    each whole sequence becomes the key `model` (it needs the policy's tokenizer)."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """overall = the sum of weight x score over these keys, e.g. `--reward.weights overall 1 model 0.5` (overall:
+    the function's own, logged as `function` then); empty: the function's overall, plus the model's score if any."""
+    judge_url: str = ""
+    """judge: the OpenAI-compatible endpoint the judge model serves at, e.g. http://127.0.0.1:8000/v1 (vllm serve)."""
+    judge_model: str = ""
+    """judge: the model's name at that endpoint (empty: the first it lists)."""
+    judge_template: str = "templates/judge.jinja"
+    """judge: the Jinja template of the judge's prompt, given prompt, response, ground_truth and row."""
+    judge_parser: str = r"-?\d+(?:\.\d+)?"
+    """judge: a regular expression whose last match in the reply is the score, or path/to/file.py:function (reply
+    text -> a float, or a dict of scores with overall)."""
+    judge_request: str = ""
+    """judge: JSON fields added to each request, e.g. '{"max_tokens": 8}' or vLLM's
+    '{"structured_outputs": {"choice": ["0", "1"]}}'."""
+    judge_retries: int = 3
+    """judge: retries of a request that fails to connect, times out or gets a 5xx or 429 (with backoff)."""
+    judge_timeout: float = 30.0
+    """judge: seconds one request may take (--reward.timeout bounds a sample's call, retries included)."""
     overlong_buffer: int = 0
     """DAPO overlong shaping: responses longer than max_response_length - this many tokens are penalised (0: off)."""
     overlong_penalty_factor: float = 1.0
     """DAPO overlong shaping: weight of the penalty (which goes from 0 to -1 across the buffer)."""
     timeout: float = 120.0
     """Seconds one call may run (a sample's, or the whole batch's with --reward.batch); 0: no limit."""
-    on_error: Literal["raise", "zero"] = "raise"
-    """A call that times out, raises or returns a bad result: end the run naming the sample (raise),
-    or score it 0, counted in reward_failed (zero)."""
+    on_error: Literal["raise", "zero", "skip-group"] = "raise"
+    """A call that times out, raises or returns a bad result: end the run naming the sample (raise), score it 0,
+    counted in reward_failed (zero), or leave its whole group out of the step, counted in rollout/skipped_groups
+    (skip-group: more prompts are drawn to fill the batch, as dynamic sampling does)."""
 
 
 class RewardInput(TypedDict):
@@ -132,8 +166,181 @@ def toy_tools_reward(inp: RewardInput) -> dict[str, float]:
     return {"overall": 0.2 * called + 0.8 * accuracy, "called": called, "accuracy": accuracy}
 
 
-BUILTINS: dict[str, Callable[..., dict[str, float]]] = {"toy": toy_reward, "math": math_reward, "r1v": r1v_reward,
-                                                        "toy_tools": toy_tools_reward}
+def no_reward(inp: RewardInput) -> dict[str, float]:
+    """`--reward.function none`: every sample 0, so that the reward model's score is the whole reward."""
+    return {"overall": 0.0}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Code run against tests, in a sandbox (plumbing/sandbox.py)
+# ---------------------------------------------------------------------------------------------------
+
+def extract_code(response: str) -> str:
+    """The program in a response: its last ```python (or bare ```) block, else the whole response.
+
+    "Here:\n```python\nprint(1)\n```" -> "print(1)\n"
+    """
+    blocks = re.findall(r"```(?:python|py)?[ \t]*\n(.*?)```", response, re.DOTALL)
+    return blocks[-1] if blocks else response
+
+
+async def code_reward(inp: RewardInput, seconds: float = 5.0, memory_mib: int = 512,
+                      allow_weaker_sandbox: bool = False) -> dict[str, float]:
+    """The response's program run in the sandbox against the ground truth's tests: `{"tests": [{"input": ...,
+    "output": ...}, ...]}` (stdin to stdout; lines compared without trailing spaces) or `{"asserts": [...]}`
+    (Python statements run after the program, in one run), or that as a JSON string. overall = the share of tests
+    passed, accuracy = all of them. A test that runs past `seconds`, needs more than `memory_mib` MiB, writes outside
+    its folder, opens a socket or starts a process fails (plumbing/sandbox.py says how each is stopped).
+
+    tests [{"input": "2 3", "output": "5"}]: "print(sum(map(int, input().split())))" -> overall 1.0;
+    "print(6)" -> 0.0; "while True: pass" -> 0.0 (after 5 s).
+    """
+    truth = json.loads(inp["ground_truth"]) if isinstance(inp["ground_truth"], str) else inp["ground_truth"]
+    program, limits = extract_code(inp["response"]), Limits(seconds=seconds, memory_mib=memory_mib)
+    if "asserts" in truth:
+        outcome = await run_code(program + "\n\n" + "\n".join(truth["asserts"]) + "\n", "", limits)
+        passed = [outcome.status == "ok" and outcome.returncode == 0]
+    else:
+        outcomes = [await run_code(program, test["input"], limits) for test in truth["tests"]]
+        passed = [o.status == "ok" and o.returncode == 0 and _lines(o.stdout) == _lines(test["output"])
+                  for o, test in zip(outcomes, truth["tests"])]
+    share = sum(passed) / max(len(passed), 1)
+    return {"overall": share, "accuracy": float(share == 1.0)}
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.strip().splitlines()]
+
+
+def _check_sandbox(allow_weaker_sandbox: bool = False, **limits) -> None:
+    """At start-up: the sandbox's protections hold on this machine, or the run is refused, naming the missing ones."""
+    missing = [name for name, held in protections().items() if not held]
+    if missing and not allow_weaker_sandbox:
+        raise RewardError(f"the code reward's sandbox cannot enforce {', '.join(missing)} on this machine (namespaces "
+                          "need root or unprivileged user namespaces, Landlock Linux 5.13+); run elsewhere, or accept "
+                          "the weaker sandbox with --reward.kwargs allow_weaker_sandbox true")
+
+
+code_reward.check = _check_sandbox
+
+
+# ---------------------------------------------------------------------------------------------------
+# An LLM judge over HTTP
+# ---------------------------------------------------------------------------------------------------
+
+class Judge:
+    """The built-in `judge` reward: a model served at an OpenAI-compatible endpoint (`vllm serve`, an API) grades each
+    response. Its prompt is --reward.judge-template rendered with the prompt, the response, the ground truth and the
+    row; its score the last match of --reward.judge-parser in the reply (or what a parser function returns). The
+    requests go out at once (at most --reward.max-concurrency), each retried with backoff on connection errors,
+    timeouts, 429 and 5xx (openai's client: --reward.judge-retries), and the same prompt is asked once, even by
+    calls at the same time: the answers are kept (the last 100,000), a failed request is not. A reply without a
+    score is the sample's failure (--reward.on-error).
+    """
+
+    CACHE = 100_000
+
+    def __init__(self, config: RewardConfig):
+        if not config.judge_url:
+            raise RewardError("--reward.function judge needs --reward.judge-url, the OpenAI-compatible endpoint of the "
+                              "judge model (e.g. http://127.0.0.1:8000/v1 for `vllm serve MODEL --port 8000`)")
+        self.config = config
+        self.template = _load_template(config.judge_template, "--reward.judge-template")
+        self.parse = _load(config.judge_parser) if config.judge_parser.endswith(".py") or ".py:" in \
+            config.judge_parser else _last_number(config.judge_parser)
+        try:
+            self.request = json.loads(config.judge_request) if config.judge_request else {}
+        except json.JSONDecodeError as error:
+            raise RewardError(f"--reward.judge-request {config.judge_request!r} is not JSON: {error}") from None
+        self.replies: OrderedDict[str, asyncio.Future] = OrderedDict()  # prompt -> its answer, or the request
+        self.client, self.model, self.asked, self.cached = None, config.judge_model, 0, 0
+
+    async def __call__(self, inp: RewardInput) -> dict[str, float]:
+        prompt = self.template.render(prompt=inp["prompt"], response=inp["response"],
+                                      ground_truth=inp["ground_truth"], row=inp["row"])
+        if prompt in self.replies:
+            self.cached += 1
+            self.replies.move_to_end(prompt)
+        else:
+            self.replies[prompt] = asyncio.ensure_future(self._ask(prompt))
+            if len(self.replies) > self.CACHE:
+                self.replies.popitem(last=False)
+        answer = self.replies[prompt]
+        try:  # shielded: a caller's time limit does not cancel the request the other callers wait for
+            return await asyncio.shield(answer)
+        except BaseException:
+            if answer.done() and self.replies.get(prompt) is answer:  # a failure is asked again next time
+                del self.replies[prompt]
+            raise
+
+    async def _ask(self, prompt: str) -> dict[str, float]:
+        if self.client is None:  # made on the reward's event loop, where it is used
+            from openai import AsyncOpenAI
+
+            self.client = AsyncOpenAI(base_url=self.config.judge_url, api_key="EMPTY",
+                                      max_retries=self.config.judge_retries, timeout=self.config.judge_timeout)
+        if not self.model:
+            self.model = (await self.client.models.list()).data[0].id
+        self.asked += 1
+        reply = await self.client.chat.completions.create(  # the request's fields go in the body, over these
+            model=self.model, messages=[{"role": "user", "content": prompt}], temperature=0.0, max_tokens=64,
+            extra_body=self.request)
+        score = self.parse(reply.choices[0].message.content or "")
+        return dict(score) if isinstance(score, Mapping) else {"overall": float(score)}
+
+
+def _last_number(pattern: str) -> Callable[[str], float]:
+    """A parser: the last match of `pattern` in the reply, as a float; no match raises, naming the reply."""
+    regex = re.compile(pattern)
+
+    def parse(text: str) -> float:
+        matches = regex.findall(text)
+        if not matches:
+            raise ValueError(f"the judge's reply {text!r:.80} holds no score (--reward.judge-parser {pattern!r})")
+        return float(matches[-1] if isinstance(matches[-1], str) else matches[-1][0])
+
+    return parse
+
+
+def _load_template(path: str, flag: str) -> jinja2.Template:
+    """A Jinja template file, found as given or next to this file (templates/judge.jinja works from anywhere)."""
+    for candidate in (Path(path), Path(__file__).parent / path):
+        if candidate.is_file():
+            return jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(candidate.read_text())
+    raise RewardError(f"{flag} {path!r}: no such template file")
+
+
+BUILTINS: dict[str, Callable] = {"toy": toy_reward, "math": math_reward, "r1v": r1v_reward,
+                                  "toy_tools": toy_tools_reward, "code": code_reward, "judge": Judge, "none": no_reward}
+
+
+def combine(scores: list[dict[str, float]], weights: dict[str, float]) -> list[dict[str, float]]:
+    """overall = the sum of weight x score over `weights`' keys; the function's own overall is kept as `function`.
+
+    {"overall": 1.0, "model": 0.4} with weights {"overall": 1, "model": 0.5} -> overall 1.2, function 1.0.
+    """
+    if not weights:
+        return scores
+    missing = sorted(set(weights) - set(scores[0])) if scores else []
+    if missing:
+        raise RewardError(f"--reward.weights names {missing}, which the scores do not hold (they hold "
+                          f"{sorted(scores[0])}); a reward model's key is `model`")
+    return [{**s, "function": s["overall"], "overall": sum(w * s[k] for k, w in weights.items())} for s in scores]
+
+
+def reward_inputs(tokenizer, items: list, responses: list[list]) -> list[RewardInput]:
+    """What the reward function gets for each response of each prompt (dataset items, rollout.Response lists). A
+    multi-turn episode's reward reads its turns (`messages`) and, as `response`, its last generated turn's text."""
+    inputs = []
+    for item, group in zip(items, responses):
+        for r in group:
+            messages = r.episode.messages if r.episode else [
+                {"role": "assistant", "content": tokenizer.decode(r.token_ids, skip_special_tokens=True)}]
+            last = next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
+            inputs.append(RewardInput(response=last, response_length=len(r.token_ids),
+                                      ground_truth=item["ground_truth"], prompt=item["prompt"], row=item["row"],
+                                      images=item["images"], videos=item["videos"], messages=messages))
+    return inputs
 
 _GRADING_TIMEOUT_S = 5  # per parse / per comparison; math_verify's alarm takes whole seconds
 
@@ -183,16 +390,79 @@ def overlong_penalty(response_length: int, max_length: int, buffer: int) -> floa
 # Loading and calling the configured reward
 # ---------------------------------------------------------------------------------------------------
 
+@dataclass
+class Group:
+    """The rollout of one prompt: its dataset item, its n responses, their reward dicts (empty until scored), and
+    (ReMax) the score of its greedy response."""
+
+    item: dict  # data.PromptItem
+    responses: list  # rollout.Response
+    scores: list[dict[str, float]] = field(default_factory=list)
+    baseline: float | None = None
+
+
+@dataclass
+class Scoring:
+    """What scores a step's responses: the reward function (rewards.py, any kind) and the reward model (None without
+    one), with what a model's pass needs: the processor for the trainer's batch, the pad id, the device, and the
+    run's config (micro-batches, --reward.weights)."""
+
+    reward_fn: "RewardFunction"
+    tokenizer: Any
+    reward_model: Any  # a sharded sequence-classification model, or None
+    processor: Any
+    device: Any  # the training device
+    cfg: Any  # grpo.Config
+
+    def start(self, items: list, responses: list[list]) -> tuple[list[Group], "PendingScores"]:
+        """Each prompt's group, unscored, and the reward function's call on all of them started (an async reward
+        runs while the caller goes on)."""
+        return ([Group(item, group) for item, group in zip(items, responses)],
+                self.reward_fn.submit(reward_inputs(self.tokenizer, items, responses)))
+
+    def give(self, groups: list[Group], pending: "PendingScores | None") -> None:
+        """The reward function's scores into the groups, n each (pending None: given already)."""
+        scores = iter(pending.result() if pending is not None else [])
+        for group in groups if pending is not None else []:
+            group.scores = [next(scores) for _ in group.responses]
+
+    def model_scores(self, groups: list[Group], batch=None) -> None:
+        """With a reward model: its score of every sequence (key `model`; `batch`: the groups' trainer batch, built
+        here when not given) and the weighted overall (rewards.combine); nothing without one."""
+        if self.reward_model is None:
+            return
+        actor = self.cfg.actor
+        batch = batch or batch_of(groups, self.processor, self.tokenizer.pad_token_id, self.device)
+        model = iter(batched_scores(self.reward_model, batch, actor.micro_batch_size,
+                                    actor.max_tokens_per_micro_batch, actor.padding_free).tolist())
+        for group in groups:
+            group.scores = combine([{**s, "model": next(model)} for s in group.scores],
+                                   self.cfg.reward.weights or {"overall": 1.0, "model": 1.0})
+
+    def __call__(self, items: list, responses: list[list]) -> list[Group]:
+        """Every score of a round at once: the function's, then the model's."""
+        groups, pending = self.start(items, responses)
+        self.give(groups, pending)
+        self.model_scores(groups)
+        return groups
+
+
+
 class RewardFunction:
     """The configured reward, called on a list of samples; every call is timed and every result checked.
 
     RewardFunction(RewardConfig("toy"))([{"response": "7", "ground_truth": "7", ...}])
     -> [{"overall": 1.0, "accuracy": 1.0, "concise": 1.0}]
 
-    A call that fails (runs past --reward.timeout, raises, exits, returns something that is not a dict of finite
-    numbers with `overall`) ends the run with a RewardError naming the reward and the sample (--reward.on-error
-    raise), or scores its samples 0 on every key, reported once through `report` and counted in the `failed`
-    key every result then carries (zero).
+    Four kinds, told apart by the function itself: per sample or a whole batch (--reward.batch), each plain or an
+    `async def`. A plain call runs on the calling thread, where the time limit can interrupt it (Deadline); async
+    calls run at once (at most --reward.max-concurrency) on an event loop of this reward's own thread, each within
+    the time limit, while the caller goes on (`submit`: the trainer's reference pass, say) until it asks for the
+    scores, and a call that never yields (a blocking sleep inside `async def`) is given up when the limit has passed
+    for all of them. A call that fails (runs past --reward.timeout, raises, exits, returns something that is not a
+    dict of finite numbers with `overall`) ends the run with a RewardError naming the reward and the sample
+    (--reward.on-error raise), or scores its samples 0 on every key, reported once through `report` and counted in
+    the `failed` key every result then carries (zero; skip-group, whose caller then drops the sample's group).
     """
 
     def __init__(self, config: RewardConfig, max_response_length: int = 0, report: Callable[[str], None] = print):
@@ -202,40 +472,77 @@ class RewardFunction:
                               f"--rollout.max-response-length {max_response_length}")
         if config.timeout < 0:
             raise RewardError(f"--reward.timeout {config.timeout} must be at least 0 (0: no limit)")
+        if config.max_concurrency < 1:
+            raise RewardError(f"--reward.max-concurrency {config.max_concurrency} must be at least 1")
         self.name = config.function  # the spec string, for logs and error messages
         self.kwargs = dict(config.kwargs)
         self.batch = config.batch
         if self.name in BUILTINS and self.batch:
             raise RewardError(f"built-in reward {self.name!r} is per-sample: drop --reward.batch")
         self.fn = BUILTINS[self.name] if self.name in BUILTINS else _load(self.name)
+        if self.fn is Judge:  # the judge keeps a client and its replies: an instance is the reward
+            self.fn = Judge(config)
         try:
             inspect.signature(self.fn).bind(None, **self.kwargs)
         except TypeError as exc:
             raise RewardError(f"reward {self.name!r} does not take --reward.kwargs {self.kwargs}: {exc}") from exc
+        getattr(self.fn, "check", lambda **kwargs: None)(**self.kwargs)  # a built-in's start-up check (code's sandbox)
+        self.is_async = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
+            getattr(self.fn, "__call__", None))
         on_main_thread = threading.current_thread() is threading.main_thread()
-        self.deadline = Deadline() if config.timeout and on_main_thread else None
+        self.deadline = Deadline() if config.timeout and not self.is_async and on_main_thread else None
+        self.loop: asyncio.AbstractEventLoop | None = None  # an async reward's, started at its first call
         self.keys: list[str] = []  # of the results so far: what a failed sample is scored 0 on
 
     def __call__(self, inputs: list[RewardInput]) -> list[dict[str, float]]:
+        return self.submit(inputs).result()
+
+    def submit(self, inputs: list[RewardInput]) -> "PendingScores":
+        """Start scoring `inputs`: a plain reward scores them now; an async one's calls start on its event loop and
+        the caller may do other work before `result()`."""
         if not inputs:  # a rank without prompts (a validation set smaller than the world)
-            return []
+            return PendingScores(self, inputs, [])
+        arguments = [inputs] if self.batch else inputs
+        if not self.is_async:
+            where = [f"on a batch of {len(inputs)} samples"] if self.batch else [""] * len(inputs)
+            return PendingScores(self, inputs, [self._call(arg, i, inputs[i], w)
+                                                for i, (arg, w) in enumerate(zip(arguments, where))])
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, daemon=True, name="reward-loop").start()
+            self.semaphore = asyncio.Semaphore(self.config.max_concurrency)
+        return PendingScores(self, inputs, [asyncio.run_coroutine_threadsafe(self._limited(arg), self.loop)
+                                            for arg in arguments])
+
+    async def _limited(self, argument):
+        """One async call, within the concurrency limit and the time limit; a failure is returned, not raised (an
+        exception that left the loop, SystemExit among them, would stop it)."""
+        async with self.semaphore:
+            try:  # in this task (not wait_for's own), where a SystemExit is caught here, not by the loop
+                async with asyncio.timeout(self.config.timeout or None):
+                    return await self.fn(argument, **self.kwargs)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - reported as the sample's failure in PendingScores.result
+                return _Raised(exc)
+
+    def _finish(self, inputs: list[RewardInput], results: list) -> list[dict[str, float]]:
+        """The checked scores of `inputs` from the calls' `results` (one per sample, or one list for the batch)."""
         if self.batch:
-            results = self._call(inputs, 0, inputs[0], f"on a batch of {len(inputs)} samples")
+            results = results[0]
             if not isinstance(results, RewardError) and (not isinstance(results, (list, tuple))
                                                          or len(results) != len(inputs)):
                 got = f"{len(results)} results" if isinstance(results, (list, tuple)) else repr(results)[:80]
                 results = self._failed(0, inputs[0], f"returned {got}", f"for {len(inputs)} samples")
             if isinstance(results, RewardError):
                 results = [results] * len(inputs)
-        else:
-            results = [self._call(inp, i, inp) for i, inp in enumerate(inputs)]
         scores = [self._check(i, inp, result) for i, (inp, result) in enumerate(zip(inputs, results))]
         for i, (inp, score) in enumerate(zip(inputs, scores)):
             if isinstance(score, dict) and self.keys and sorted(score) != self.keys:
                 scores[i] = self._failed(i, inp, f"returned keys {sorted(score)}, earlier samples {self.keys}")
             elif isinstance(score, dict):
                 self.keys = sorted(score)
-        if self.config.on_error == "zero":  # the share of failed samples, logged as the mean of this key
+        if self.config.on_error != "raise":  # the share of failed samples, logged as the mean of this key
             scores = [{**self._zeros(), "failed": 1.0} if isinstance(score, RewardError) else {**score, "failed": 0.0}
                       for score in scores]
         if self.config.overlong_buffer:  # DAPO: added to the reward, and logged on its own
@@ -244,7 +551,7 @@ class RewardFunction:
                     inp["response_length"], self.max_response_length, self.config.overlong_buffer)
                 score["overall"] += penalty
                 score["overlong_penalty"] = penalty
-        return scores
+        return scores if self.config.model else combine(scores, self.config.weights)  # a model's: once it has scored
 
     def _call(self, argument, index: int, inp: RewardInput, where: str = ""):
         """fn(argument, **kwargs) within the time limit, or the failure as a RewardError (returned, not raised)."""
@@ -253,10 +560,17 @@ class RewardFunction:
                 return self.fn(argument, **self.kwargs)
         except RewardTimeout:
             return self._failed(index, inp, f"ran past --reward.timeout {self.config.timeout:g}s", where)
-        except SystemExit as exc:
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt aside: a Ctrl-C stops the run
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            return self._raised(index, inp, exc, where)
+
+    def _raised(self, index: int, inp: RewardInput, exc: BaseException, where: str = "") -> RewardError:
+        if isinstance(exc, (RewardTimeout, TimeoutError)):
+            return self._failed(index, inp, f"ran past --reward.timeout {self.config.timeout:g}s", where)
+        if isinstance(exc, SystemExit):
             return self._failed(index, inp, f"called sys.exit({exc.code!r})", where)
-        except Exception as exc:
-            return self._failed(index, inp, f"raised {exc!r}", where, exc)
+        return self._failed(index, inp, f"raised {exc!r}", where, exc)
 
     def _check(self, index: int, inp: RewardInput, result: Any) -> dict[str, float] | RewardError:
         if isinstance(result, RewardError):
@@ -277,8 +591,9 @@ class RewardFunction:
                             f"(response={inp['response']!r:.80}, ground_truth={inp['ground_truth']!r:.80})")
         if self.config.on_error == "raise":
             raise error from cause
-        self.report(f"warning: {error}; scored 0 (--reward.on-error zero), counted in the reward's `failed` key "
-                    "from now on without a message")
+        then = "scored 0" if self.config.on_error == "zero" else "its group left out of the step"
+        self.report(f"warning: {error}; {then} (--reward.on-error {self.config.on_error}), counted in the reward's "
+                    "`failed` key from now on without a message")
         self.report = lambda message: None
         return error
 
@@ -287,6 +602,38 @@ class RewardFunction:
 
 
 FLOAT32_MAX = 3.4028234663852886e38
+
+
+@dataclass
+class _Raised:
+    """What an async call raised, carried out of the event loop."""
+
+    exception: BaseException
+
+
+class PendingScores:
+    """The scores of samples that may still be coming (RewardFunction.submit): `result()` waits for the calls, at most
+    until each of them has had its time limit after the last could start, and checks what they returned."""
+
+    def __init__(self, reward: RewardFunction, inputs: list[RewardInput], calls: list):
+        self.reward, self.inputs, self.calls, self.started = reward, inputs, calls, time.monotonic()
+
+    def result(self) -> list[dict[str, float]]:
+        reward, results = self.reward, list(self.calls)
+        if reward.is_async:
+            rounds = -(-len(results) // reward.config.max_concurrency)  # calls wait for a free slot
+            deadline = self.started + reward.config.timeout * rounds + 1 if reward.config.timeout else None
+            for k, future in enumerate(self.calls):
+                index = 0 if reward.batch else k
+                where = f"on a batch of {len(self.inputs)} samples" if reward.batch else ""
+                try:
+                    outcome = future.result(None if deadline is None else max(deadline - time.monotonic(), 0))
+                except concurrent.futures.TimeoutError:  # its loop is stuck in a call that never yields
+                    future.cancel()
+                    outcome = _Raised(TimeoutError())
+                results[k] = (reward._raised(index, self.inputs[index], outcome.exception, where)
+                              if isinstance(outcome, _Raised) else outcome)
+        return reward._finish(self.inputs, results)
 
 
 class RewardTimeout(BaseException):

@@ -42,6 +42,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -52,6 +53,7 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,
@@ -100,6 +102,8 @@ TINY_MAX_FRAMES = 16  # frames a tiny VLM's video processor keeps at full size (
 REAL_VOCABULARY = {"qwen2_5_bpe": "qwen2", "qwen2_5_vl_bpe": "qwen2_5_vl"}  # tiny name -> its architecture
 ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    # a reward model (Bradley-Terry: a score a sequence), the default job's tokenizer: --reward.model tiny:qwen2_rm
+    "qwen2_rm": (Qwen2Config, Qwen2ForSequenceClassification, dict(tie_word_embeddings=False, num_labels=1)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=64)),
     "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, head_dim=64)),
 }
@@ -124,8 +128,13 @@ VISION_ARCHITECTURES = {
 
 def model_class(config):
     """The transformers Auto class of a checkpoint: image-text-to-text for vision-language models (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL: a config with a vision_config), causal LM otherwise."""
-    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    Qwen2.5-VL, Qwen3-VL: a config with a vision_config), sequence classification for reward models (an
+    architecture `...ForSequenceClassification`), causal LM otherwise."""
+    if hasattr(config, "vision_config"):
+        return AutoModelForImageTextToText
+    if any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or []):
+        return AutoModelForSequenceClassification
+    return AutoModelForCausalLM
 
 
 def _byte_level(character: str) -> str:

@@ -16,10 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTo
 
 from conftest import ENGINE_GAP, FAST, torchrun
 from data import DataConfig, PromptDataset
-from grpo import score_groups
 from logprobs import make_batch, response_logprobs
 from plumbing.tiny import QWEN_ADDED_TOKENS, build_tiny_model
-from rewards import RewardConfig, RewardFunction
+from rewards import RewardConfig, RewardFunction, Scoring
 from rollout import Response
 
 IM_END, ENDOFTEXT = 151645, 151643
@@ -137,7 +136,8 @@ def test_math_rewards_of_hand_made_responses_through_the_real_tokenizer(tokenize
     responses = [Response(tokenizer.encode(text, add_special_tokens=False) + [IM_END], [], False) for text in answers]
     responses.append(Response(tokenizer.encode("\\boxed{3/4}", add_special_tokens=False) + [ENDOFTEXT], [], False))
     item = {"ground_truth": "\\frac{3}{4}", "prompt": "", "row": {}, "images": [], "videos": []}
-    [group] = score_groups(RewardFunction(RewardConfig(function="math")), tokenizer, [item], [responses])
+    [group] = Scoring(RewardFunction(RewardConfig(function="math")), tokenizer, None, None, "cpu", None)([item],
+                                                                                                        [responses])
     assert [s["overall"] for s in group.scores] == pytest.approx([*answers.values(), 0.9])
 
 

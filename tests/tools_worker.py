@@ -8,7 +8,7 @@ so its episodes run to --rollout.max-turns 3; rank 1's raises, and --rollout.max
 after turn 1: rank 0 then generates turns 2 and 3 alone, which hangs unless rank 1 joins them (the hf engine gathers
 the FSDP2 weights in every generate call). The engine is wrapped in a recorder of every call, to check token in,
 token out: each later turn's prompt is the episode's prompt plus its response so far, exactly, and the response is
-its turns' sampled ids and its tool turns' rendered ids, nothing re-tokenized. The trainer's batch (grpo.batch_of)
+its turns' sampled ids and its tool turns' rendered ids, nothing re-tokenized. The trainer's batch (logprobs.batch_of)
 then gives log-probs, packed and padded, to compare with the engine's on the generated tokens.
 """
 
@@ -22,9 +22,9 @@ from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer
 
 from fsdp_utils import init_distributed, load_sharded_model
-from grpo import Group, batch_of
-from logprobs import batched_logprobs
+from logprobs import batch_of, batched_logprobs
 from plumbing.tiny import build_tiny_model
+from rewards import Group
 from rollout import RolloutConfig, build_rollout, vllm_environment
 from rollout_worker import TEMPERATURE, write_every_rank
 from tools import ToolRollout, load_tools

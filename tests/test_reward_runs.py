@@ -1,0 +1,118 @@
+"""Every kind of reward through the entry point under `torchrun --nproc_per_node 2`, 2 steps each: an async reward
+with the reward model beside it (the weighted overall), sandboxed code, a reward that fails on some samples with
+--reward.on-error skip-group, and the LLM judge against a real `vllm serve` of a tiny model on 127.0.0.1."""
+
+import json
+import math
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, ROOT, free_port, torchrun
+from plumbing.tiny import build_tiny_model
+
+pytestmark = pytest.mark.slow  # every test here launches processes
+
+ASYNC_LOWERCASE = '''
+import asyncio
+
+async def lowercase(inp):
+    """The share of lowercase letters (tests/signal_reward.py), awaited: a reward a random model earns."""
+    await asyncio.sleep(0.01)
+    share = sum(c.islower() for c in inp["response"]) / max(len(inp["response"]), 1)
+    return {"overall": share, "accuracy": share}
+
+
+def fails_on_x(inp):
+    """Raises for a response holding an x: about one response in 25, so one group in two of 16."""
+    if "x" in inp["response"]:
+        raise ValueError("no x allowed")
+    return {"overall": sum(c.islower() for c in inp["response"]) / max(len(inp["response"]), 1)}
+'''
+
+
+def run(tmp_path: Path, name: str, *flags: str) -> list[dict]:
+    (tmp_path / "rewards.py").write_text(ASYNC_LOWERCASE)
+    torchrun(["grpo.py", "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
+              "--trainer.experiment-name", name, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+              "--trainer.no-save-final", *FAST, *flags], timeout=600)
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_async_reward_and_a_reward_model_weighted_together(tmp_path):
+    """overall = 1 x the async function's share of lowercase + 0.5 x the tiny reward model's score of the whole
+    sequence: every sample's parts logged, the overall their weighted sum, a policy gradient from it."""
+    metrics = run(tmp_path, "rm", "--reward.function", f"{tmp_path}/rewards.py:lowercase", "--reward.model",
+                  "tiny:qwen2_rm", "--reward.weights", "overall", "1", "model", "0.5")
+    for m in metrics:
+        assert m["train/reward_overall"] == pytest.approx(m["train/reward_function"] + 0.5 * m["train/reward_model"])
+        assert m["train/reward_model_std"] > 0 and m["actor/pg_loss"] != 0 and "timing/reward" in m
+
+
+def test_code_runs_in_the_sandbox(tmp_path):
+    """`--reward.function code` on a task whose test holds for any program that runs, answered in one token: a
+    random model's digits and end tokens are programs that run, its letters fail (NameError), so the reward varies
+    and trains the policy."""
+    data = tmp_path / "code.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"write any program {i}", "answer": json.dumps(
+        {"asserts": ["assert True"]})}) + "\n" for i in range(16)))
+    metrics = run(tmp_path, "code", "--data.train-files", str(data), "--data.val-files", "", "--reward.function",
+                  "code", "--rollout.engine", "hf", "--rollout.max-response-length", "1")
+    # one token a response: the policy loss averages to 0 over a group's advantages, its gradient does not
+    assert all(0 < m["train/reward_overall"] < 1 and m["train/reward_overall_std"] > 0 for m in metrics), metrics
+    assert metrics[0]["actor/grad_norm"] > 0  # step 1: no KL yet, the gradient is the policy's
+
+
+def test_skip_group_leaves_out_the_groups_of_failed_samples_and_draws_more(tmp_path):
+    """A reward that raises on some responses: with --reward.on-error skip-group their groups are left out and more
+    prompts drawn until every rank holds its share (as dynamic sampling does); counted in rollout/skipped_groups."""
+    metrics = run(tmp_path, "skip", "--reward.function", f"{tmp_path}/rewards.py:fails_on_x", "--reward.on-error",
+                  "skip-group", "--rollout.n", "16", "--rollout.max-response-length", "8", "--rollout.engine", "hf")
+    assert sum(m["rollout/skipped_groups"] for m in metrics) > 0
+    assert all(m["train/reward_failed"] == 0 and m["rollout/sampling_rounds"] >= 1 for m in metrics)
+    assert any(m["rollout/sampling_rounds"] > 1 and m["rollout/kept_groups_ratio"] < 1 for m in metrics)
+
+
+@pytest.fixture(scope="module")
+def judge_server(tmp_path_factory):
+    """`vllm serve` (its OpenAI-compatible server) of the tiny model, on a free port of 127.0.0.1."""
+    model = build_tiny_model("qwen2", tmp_path_factory.mktemp("judge") / "tiny-judge")
+    port = free_port()
+    log = open(model.parent / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                               "--port", str(port), "--max-model-len", "1024", "--dtype", "float32", "--enforce-eager",
+                               "--kv-cache-memory-bytes", str(1 << 28)], cwd=ROOT, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            urllib.request.urlopen(f"{url}/models", timeout=2)
+            break
+        except OSError:
+            time.sleep(2)
+    else:
+        server.kill()
+        pytest.fail(f"vllm serve did not start: {(model.parent / 'server.log').read_text()[-3000:]}")
+    yield url
+    server.terminate()
+    server.wait(timeout=60)
+
+
+def test_the_judge_grades_through_a_real_vllm_server(tmp_path, judge_server):
+    """The tiny model as the judge, its reply constrained to "0" or "1" by vLLM's structured outputs and sampled at
+    temperature 1: every sample gets a score of 0 or 1, validation included."""
+    request = json.dumps({"structured_outputs": {"choice": ["0", "1"]}, "temperature": 1.0, "max_tokens": 2})
+    (tmp_path / "rewards.py").write_text(ASYNC_LOWERCASE)
+    torchrun(["grpo.py", "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
+              "--trainer.experiment-name", "judge", "--trainer.val-freq", "2", "--rollout.engine", "hf", *FAST,
+              "--reward.function", "judge", "--reward.judge-url", judge_server, "--reward.judge-request", request],
+             timeout=600)
+    lines = [json.loads(line) for line in (tmp_path / "judge" / "metrics.jsonl").read_text().splitlines()]
+    for m in lines:
+        key = "val/reward_overall" if m["step"] == 0 else "train/reward_overall"
+        assert 0 <= m[key] <= 1 and math.isfinite(m[key])
+    assert "val/reward_overall" in lines[-1] and any(0 < m.get("train/reward_overall", 0) < 1 for m in lines)
