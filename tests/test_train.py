@@ -236,10 +236,10 @@ def hub_model(preset: Path) -> bool:
     return not yaml.safe_load(preset.read_text()).get("actor", {}).get("model_path", "tiny:").startswith("tiny:")
 
 
-# the offline presets (toy_vision and toy_tools are run to the end by test_learning.py, and toy is grpo's job); the
-# others need models from the hub
+# the offline presets but those test_learning.py trains for longer (toy, toy_motion, toy_tools) and toy_vision (2 steps
+# with the real tokenizer in test_real_tokenizer.py); the others need models from the hub
 PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")
-                 if not hub_model(p) and p.stem not in ("toy", "toy_lora", "toy_vision", "toy_motion", "toy_tools"))
+                 if not hub_model(p) and p.stem not in ("toy", "toy_vision", "toy_motion", "toy_tools"))
 HUB_PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if hub_model(p))
 
 
