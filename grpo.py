@@ -546,11 +546,11 @@ def collect_rollouts(rollout, loader: PromptLoader, scoring: Scoring, cfg: Confi
         if all_reduce({"kept": len(kept)}, device, dist.ReduceOp.MIN)["kept"] >= quota:
             break
     else:
-        raise SystemExit(
-            f"dynamic sampling: after {algo.max_sampling_rounds} rounds some rank kept fewer than {quota} groups "
-            f"with {algo.filter_low} < mean {algo.filter_key} < {algo.filter_high}" +
-            (" and no failed reward" if skip_failed else "") + ". Raise --algorithm.max-sampling-rounds, widen the "
-            "bounds, or pick an easier start (model, data).")
+        wanted = ([f"{algo.filter_low} < mean {algo.filter_key} < {algo.filter_high} (dynamic sampling)"]
+                  if algo.online_filtering else []) + (["no failed reward (skip-group)"] if skip_failed else [])
+        raise SystemExit(f"after {algo.max_sampling_rounds} rounds some rank kept fewer than {quota} groups with "
+                         f"{' and '.join(wanted)}. Raise --algorithm.max-sampling-rounds, widen the bounds, fix the "
+                         "reward, or pick an easier start (model, data).")
     kept = kept[:quota]
     totals = all_reduce({"kept": len(kept), "generated": generated, "skipped": skipped}, device)
     return kept, {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": totals["kept"] / totals["generated"],

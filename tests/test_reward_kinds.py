@@ -238,3 +238,18 @@ def test_the_reward_models_scores_are_a_plain_forwards(tmp_path, world_of_one):
             torch.testing.assert_close(sequence_scores(sharded, batch, padding_free), expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(batched_scores(sharded, batch, micro_batch_size=2), expected, atol=1e-5, rtol=0)
     assert not torch.equal(expected[0], expected[1])
+
+
+def test_a_reward_model_is_refused_unless_it_is_one_and_shares_the_policys_tokenizer(tmp_path, world_of_one):
+    from transformers import AutoTokenizer
+
+    from fsdp_utils import load_reward_model
+
+    policy = build_tiny_model("qwen2", tmp_path / "policy")
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    with pytest.raises(SystemExit, match="not a reward model .* but Qwen2ForCausalLM"):
+        load_reward_model(str(policy), torch.device("cpu"), tokenizer)
+    other = AutoTokenizer.from_pretrained(build_tiny_model("qwen2_5_bpe", tmp_path / "bpe"))
+    with pytest.raises(SystemExit, match="its tokenizer is not the policy's"):
+        load_reward_model(str(build_tiny_model("qwen2_rm", tmp_path / "rm")), torch.device("cpu"), other)
+    assert load_reward_model(str(tmp_path / "rm"), torch.device("cpu"), tokenizer).config.num_labels == 1
