@@ -3,7 +3,7 @@ trainer's update against a bare FSDP2 loop, padding-free against padded, the log
 
     .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --n 8 --max-tokens 512
-    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools or video
+    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video or rewards
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -26,6 +26,12 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   kept, data.read_video) and the probe that counts its tokens at start-up (data.probe_video), for a 10 s, 30 frames a
   second 640 x 360 H.264 clip; the processor's expansion of its frames for the trainer (vision.expand) at Qwen2.5-VL's
   real sizes; and the built-in video task's job (`grpo.py toy_motion`): its mean time per phase.
+- rewards (`--only rewards`): what each kind of reward costs a step of the default job (512 samples, 256 a rank): the
+  built-in toy reward per sample and as one batch call, an async reward that waits 50 ms a call as an API does (on
+  its own, and what is left of it after the log-prob passes it runs beside), the reward model (tiny:qwen2_rm) beside
+  the toy reward, the LLM judge against `vllm serve` of the tiny model on 127.0.0.1, and the sandboxed code reward on
+  the built-in code task (toy_code: 3 sandbox runs a sample); timing/reward and the whole step, means over steps 2 to
+  --steps.
 """
 
 import argparse
@@ -412,9 +418,90 @@ def video_tables(args) -> None:
         print(f"| {key} | {sum(m[key] for m in lines) / len(lines):.3f} |")
 
 
+REWARD_FILE = '''
+import asyncio
+
+from rewards import toy_reward
+
+
+def batched(inputs):
+    """The toy reward as one call on the batch (--reward.batch)."""
+    return [toy_reward(inp) for inp in inputs]
+
+
+async def waits(inp):
+    """The toy reward after a 50 ms wait, as a reward asking a server does."""
+    await asyncio.sleep(0.05)
+    return toy_reward(inp)
+'''
+
+
+def judge_server(folder: Path) -> tuple[subprocess.Popen, str]:
+    """`vllm serve` of the tiny model on a free port of 127.0.0.1 (as tests/test_reward_runs.py starts it)."""
+    import socket
+    import urllib.request
+
+    from plumbing.tiny import build_tiny_model
+
+    model = build_tiny_model("qwen2", folder / "judge")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                               "--port", str(port), "--max-model-len", "1024", "--dtype", "float32", "--enforce-eager",
+                               "--kv-cache-memory-bytes", str(1 << 28)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/v1"
+    for _ in range(150):
+        try:
+            urllib.request.urlopen(f"{url}/models", timeout=2)
+            return server, url
+        except OSError:
+            time.sleep(2)
+    server.kill()
+    raise RuntimeError("vllm serve of the tiny judge did not start in 300 s")
+
+
+def rewards_tables(args) -> None:
+    from rewards import RewardConfig, RewardFunction
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "bench_rewards.py").write_text(REWARD_FILE)
+        file = folder / "bench_rewards.py"
+        inputs = [{"response": "7", "ground_truth": "7", "response_length": 1, "prompt": "", "row": {}, "images": [],
+                   "videos": [], "messages": []}] * 256
+        reward = RewardFunction(RewardConfig(function=f"{file}:waits"))
+        start = time.perf_counter()
+        reward.submit(inputs).result()
+        alone = time.perf_counter() - start
+        server, url = judge_server(folder)
+        judge = ("--reward.function", "judge", "--reward.judge-url", url, "--reward.judge-request",
+                 json.dumps({"structured_outputs": {"choice": ["0", "1"]}, "max_tokens": 2}))
+        kinds = [("toy, per sample (the default)", "toy", ()),
+                 ("toy, one batch call (--reward.batch)", "toy", ("--reward.function", f"{file}:batched",
+                                                                   "--reward.batch")),
+                 ("async, 50 ms a call, 32 at once", "toy", ("--reward.function", f"{file}:waits")),
+                 ("toy + reward model (--reward.model tiny:qwen2_rm)", "toy", ("--reward.model", "tiny:qwen2_rm")),
+                 ("LLM judge (vllm serve on the same 2 cores)", "toy", judge),
+                 ("code in the sandbox (the toy_code preset, 3 runs a sample)", "toy_code", ())]
+        try:
+            rows = [(name, job_steps(args, preset, flags)) for name, preset, flags in kinds]
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    keys = ("timing/generate", "timing/ref_logprob", "timing/reward", "timing/step")
+    print(f"What a reward costs a step of the default job (512 samples, 256 a rank), mean seconds over steps "
+          f"2-{args.steps}; the async reward awaited on its own: {alone:.2f} s for a rank's 256 calls:\n\n"
+          f"| reward | {' | '.join(keys)} |\n|---|---|---|---|---|")
+    for name, lines in rows:
+        print(f"| {name} | " + " | ".join(f"{sum(m[k] for m in lines) / len(lines):.3f}" for k in keys) + " |")
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video"], help="one part of the benchmark")
+    parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video", "rewards"],
+                        help="one part of the benchmark")
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=8)
@@ -445,6 +532,8 @@ def main():
         tools_tables(args)
     if args.only in (None, "video"):
         video_tables(args)
+    if args.only in (None, "rewards"):
+        rewards_tables(args)
 
 
 if __name__ == "__main__":
