@@ -1,6 +1,7 @@
 """Every kind of reward through the entry point under `torchrun --nproc_per_node 2`, 2 steps each: an async reward
-with the reward model beside it (the weighted overall), sandboxed code, a reward that fails on some samples with
---reward.on-error skip-group, and the LLM judge against a real `vllm serve` of a tiny model on 127.0.0.1."""
+with the reward model beside it (the weighted overall), a batch reward, sandboxed code, a reward that fails on some
+samples with --reward.on-error skip-group, and the LLM judge against a real `vllm serve` of a tiny model on
+127.0.0.1."""
 
 import json
 import math
@@ -27,6 +28,12 @@ async def lowercase(inp):
     return {"overall": share, "accuracy": share}
 
 
+def lowercase_batch(inputs):
+    """The same share, a rank's whole batch in one call (--reward.batch); `batch`: how many samples the call held."""
+    return [{"overall": sum(c.islower() for c in inp["response"]) / max(len(inp["response"]), 1),
+             "batch": float(len(inputs))} for inp in inputs]
+
+
 def fails_on_x(inp):
     """Raises for a response holding an x: about one response in 25, so one group in two of 16."""
     if "x" in inp["response"]:
@@ -51,6 +58,14 @@ def test_an_async_reward_and_a_reward_model_weighted_together(tmp_path):
     for m in metrics:
         assert m["train/reward_overall"] == pytest.approx(m["train/reward_function"] + 0.5 * m["train/reward_model"])
         assert m["train/reward_model_std"] > 0 and m["actor/pg_loss"] != 0 and "timing/reward" in m
+
+
+def test_a_batch_reward_scores_a_ranks_samples_in_one_call(tmp_path):
+    """8 prompts x 4 samples over 2 ranks: each rank's 16 samples in one call."""
+    metrics = run(tmp_path, "batch", "--reward.function", f"{tmp_path}/rewards.py:lowercase_batch", "--reward.batch",
+                  "--rollout.engine", "hf")
+    assert all(m["train/reward_batch"] == 16 and m["train/reward_overall_std"] > 0 for m in metrics), metrics
+    assert all(m["actor/pg_loss"] != 0 for m in metrics)
 
 
 def test_code_runs_in_the_sandbox(tmp_path):
