@@ -57,6 +57,7 @@ from plumbing.tiny import ARCHITECTURES, VISION_ARCHITECTURES, resolve_model
 from plumbing.trackers import Trackers, check_loggers, write_evaluation
 from rewards import Group, PendingScores, RewardConfig, RewardError, RewardFunction, Scoring
 from rollout import RolloutConfig, start_engine, vllm_environment
+from sequence_parallel import NO_SP, SequenceParallel
 from tools import ToolRollout, episode_metrics, load_tools, tool_schema
 from vision import is_vision_language
 
@@ -86,6 +87,10 @@ class ActorConfig:
     (0: off)."""
     padding_free: bool = True
     """Pack each micro-batch's sequences into one row, no padding (flash-attn varlen on GPU; logprobs.py)."""
+    sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism: groups of this many ranks train on the same micro-batches, each packed row cut
+    over them and attention computed by heads (sequence_parallel.py): activations / N, for responses one GPU cannot
+    hold (1: off)."""
     balance_ranks: bool = True
     """Before the update, move sequences between ranks so each holds about as many tokens (plumbing/balance.py)."""
     gradient_checkpointing: bool = False
@@ -557,7 +562,7 @@ def collect_rollouts(rollout, loader: PromptLoader, scoring: Scoring, cfg: Confi
                   "rollout/skipped_groups": totals["skipped"]}, None
 
 
-def backward_mini_batch(model, batch: Batch, cfg: Config) -> tuple[dict, torch.Tensor]:
+def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel = NO_SP) -> tuple[dict, torch.Tensor]:
     """Loss and backward over the micro-batches of one mini-batch (this rank's share of it).
 
     The accumulated gradient equals that of the whole mini-batch on all ranks at once: every micro-batch's
@@ -565,7 +570,9 @@ def backward_mini_batch(model, batch: Batch, cfg: Config) -> tuple[dict, torch.T
     averaging them (fsdp_utils.load_sharded_model). Without old log-probs (`batch.old_logprobs` None: one
     optimizer step per rollout batch, on-policy) the ratio's old log-probs are this forward's own, detached.
     Returns sums of per-token statistics (and the token count) for logging, as tensors on the batch's device,
-    and this forward's log-probs [B, R], detached.
+    and this forward's log-probs [B, R], detached. With sequence parallelism the N ranks of a group hold the same
+    rows, so the global counts are N times the group's and each rank's loss 1/N of it; the log-probs' gather sums
+    the N ranks' gradients back onto the rank that computed each one: every sequence counts once.
     """
     algo = cfg.algorithm
     mask = batch.response_mask
@@ -575,7 +582,7 @@ def backward_mini_batch(model, batch: Batch, cfg: Config) -> tuple[dict, torch.T
     own = torch.zeros_like(mask)  # [B, R], filled micro-batch by micro-batch
     for rows in micro_batches(batch, cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch):
         micro = batch.select(rows)
-        logprobs = response_logprobs(model, micro, cfg.rollout.temperature, cfg.actor.padding_free)  # [b, R]
+        logprobs = response_logprobs(model, micro, cfg.rollout.temperature, cfg.actor.padding_free, sp)  # [b, R]
         own[torch.tensor(rows, device=mask.device)] = logprobs.detach()
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         loss, stats = POLICY_LOSSES[algo.loss_type](logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
@@ -592,11 +599,12 @@ def backward_mini_batch(model, batch: Batch, cfg: Config) -> tuple[dict, torch.T
     return sums, own
 
 
-def update_policy(model, optimizer, batch: Batch, cfg: Config) -> tuple[dict, torch.Tensor]:
+def update_policy(model, optimizer, batch: Batch, cfg: Config, sp: SequenceParallel = NO_SP
+                  ) -> tuple[dict, torch.Tensor]:
     """PPO epochs x mini-batches, one optimizer step each. Returns the metrics and the log-probs [B, R] of each
     mini-batch's first forward, before its optimizer step: without `batch.old_logprobs` (on-policy: one epoch,
     one mini-batch) these are the old log-probs."""
-    mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n // dist.get_world_size()
+    mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n * sp.size // dist.get_world_size()
     if batch.old_logprobs is None and (cfg.trainer.ppo_epochs > 1 or len(batch) > mini_batch):
         raise ValueError("several optimizer steps per rollout batch need the old log-probs computed before the first")
     sums: dict[str, torch.Tensor] = {}
@@ -605,7 +613,7 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config) -> tuple[dict, to
     for epoch in range(cfg.trainer.ppo_epochs):
         for start in range(0, len(batch), mini_batch):
             index = slice(start, start + mini_batch)
-            mini_sums, logprobs = backward_mini_batch(model, batch.select(index), cfg)
+            mini_sums, logprobs = backward_mini_batch(model, batch.select(index), cfg, sp)
             if epoch == 0:
                 first_logprobs[index] = logprobs
             for key, value in mini_sums.items():
@@ -657,6 +665,7 @@ def main(cfg: Config) -> None:
     rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes, cfg.actor.fsdp_cpu_offload)
     dist.barrier()  # every node's tiny model is written
     check_model_source(model_path, cfg.actor.model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+    sp = SequenceParallel.build(cfg.actor.sequence_parallel_size, model_path)
     torch.manual_seed(cfg.trainer.seed)
     console = Console(quiet=rank != 0, soft_wrap=True)
     job = {"model": cfg.actor.model_path, "data": cfg.data.train_files}  # a checkpoint of another job is refused
@@ -724,9 +733,10 @@ def main(cfg: Config) -> None:
     # one optimizer step per rollout batch: the old log-probs are the update's own, no pass of their own (TRL's way)
     on_policy = (cfg.trainer.ppo_epochs == 1 and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
                  and not algo.use_kl_in_reward)
-    mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n // world  # sequences per rank per optimizer step
-    passes = dict(temperature=cfg.rollout.temperature, micro_batch_size=cfg.actor.micro_batch_size,
-                  max_tokens=cfg.actor.max_tokens_per_micro_batch, padding_free=cfg.actor.padding_free)
+    mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n * sp.size // world  # sequences a rank trains on per
+    passes = dict(temperature=cfg.rollout.temperature, micro_batch_size=cfg.actor.micro_batch_size,  # optimizer step
+                  max_tokens=cfg.actor.max_tokens_per_micro_batch, padding_free=cfg.actor.padding_free, sp=sp)
+    sum_once = sum_over_ranks if sp.size == 1 else lambda x: sum_over_ranks(x) / sp.size  # a group's rows: N copies
     trackers = Trackers(list(cfg.trainer.logger) if rank == 0 else [], run_dir, dataclasses.asdict(cfg),
                         cfg.trainer.project_name, cfg.trainer.experiment_name, resume_step=first_step - 1)
     progress = RunProgress(console, cfg.trainer.total_steps, first_step, step_lines="console" in cfg.trainer.logger)
@@ -741,6 +751,10 @@ def main(cfg: Config) -> None:
 
             # ---- generate + score (more rounds when dynamic sampling drops groups) ------------------------
             groups, metrics, pending = collect_rollouts(rollout, loader, scoring, cfg, step - 1, timer, device)
+            if sp.size > 1:  # the group trains on all its ranks' rollouts, scored
+                with timer("reward"):
+                    scoring.give(groups, pending)
+                groups, pending = sp.share(groups), None
             rollout.sleep()
             training_state.to_device()
             batch = batch_of(groups, processor, tokenizer.pad_token_id, device)
@@ -760,18 +774,18 @@ def main(cfg: Config) -> None:
             if algo.use_kl_in_reward:
                 metrics["actor/kl_reward_coef"] = kl_coef
             rewards, kl_coef = token_rewards(scores, batch.response_mask, batch.old_logprobs, batch.ref_logprobs, algo,
-                                             kl_coef, sum_over_ranks)
+                                             kl_coef, sum_once)
             baselines = (torch.tensor([g.baseline for g in groups], device=device)  # [G]
                          if groups[0].baseline is not None else None)
             batch.advantages = ADVANTAGE_ESTIMATORS[algo.adv_estimator](
-                AdvantageInputs(rewards, batch.response_mask, cfg.rollout.n, baselines, sum_over_ranks), algo)  # [B, R]
+                AdvantageInputs(rewards, batch.response_mask, cfg.rollout.n, baselines, sum_once), algo)  # [B, R]
 
             # ---- update ------------------------------------------------------------------------------
-            if cfg.actor.balance_ranks and world > 1:
+            if cfg.actor.balance_ranks and world > sp.size:  # over the data-parallel ranks
                 with timer("balance"):
-                    batch = balance_over_ranks(batch, mini_batch, tokenizer.pad_token_id)
+                    batch = balance_over_ranks(batch, mini_batch, tokenizer.pad_token_id, sp.data_parallel)
             with timer("update"):
-                update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg)
+                update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg, sp)
                 scheduler.step()
             if on_policy:
                 batch.old_logprobs = first_logprobs
@@ -793,7 +807,7 @@ def main(cfg: Config) -> None:
                 with timer("validate"):
                     val_metrics, samples = validate(rollout, val_items, step, scoring)
                     metrics.update(val_metrics)
-            metrics = step_totals(metrics, timer, sum(batch.sequence_lengths), device)
+            metrics = step_totals(metrics, timer, sum(batch.sequence_lengths) / sp.size, device)
             trackers.log(metrics, step, samples[:4])  # before the checkpoint: a resume from it never misses this
             progress.step(step, metrics)
             if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or last):

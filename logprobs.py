@@ -39,6 +39,7 @@ from fsdp_utils import reshard
 from lora import base_of
 from plumbing.collectives import all_reduce, to_device
 from plumbing.memory import CHUNK_TOKENS  # the output head's chunk, sized by the memory estimate
+from sequence_parallel import NO_SP, SequenceParallel
 from vision import (PLACEHOLDER_BIAS, concat, expand, is_vision_language, placeholder_token_ids, repeat,
                     rope_index_arguments, token_types, vision_inputs)
 
@@ -213,10 +214,13 @@ def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[list[int
 # ---- log-probs --------------------------------------------------------------------------------------
 
 
-def forward_inputs(model, batch: Batch, padding_free: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def forward_inputs(model, batch: Batch, padding_free: bool, sp: SequenceParallel = NO_SP
+                   ) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The model's forward arguments for a micro-batch; the index, into its flattened token positions, of the
     position that predicts each valid response token ([N], row by row); and each such token's place in the
-    [b, R] layout of `batch.responses` ([N]).
+    [b, R] layout of `batch.responses` ([N]). With sequence parallelism (packed only), the row is padded to a
+    multiple of N (the padding one more packed sequence), and the index and places are those of the response tokens
+    predicted in this rank's slice, the index into the slice (sequence_parallel.py cuts the row in the forward).
 
     Packed: input_ids [1, S] with S the total length, position_ids [1, S] restarting at 0 for each sequence
     (vision-language: [4, 1, S], text positions over the 3-D M-RoPE ones), and the packing itself, told once for
@@ -233,15 +237,25 @@ def forward_inputs(model, batch: Batch, padding_free: bool) -> tuple[dict, torch
     starts = sequence_starts(lengths, padding_free)
     host = {"index": [start + p - 1 + t for start, p, r in zip(starts, prompts, responses) for t in range(r)],
             "slots": [row * R + t for row, r in enumerate(responses) for t in range(r)]}
+    pad = sp.padding(sum(lengths))
     if padding_free:
-        host.update(tokens=[b * T + t for b, n in enumerate(lengths) for t in range(n)],
-                    positions=[t for n in lengths for t in range(n)], cu_seq_lens=[0, *itertools.accumulate(lengths)])
+        packed = [*lengths, pad] if pad else lengths
+        host.update(tokens=[b * T + t for b, n in enumerate(lengths) for t in range(n)] + [0] * pad,
+                    positions=[t for n in packed for t in range(n)], cu_seq_lens=[0, *itertools.accumulate(packed)])
+    if sp.size > 1:
+        start, end = sp.bounds(sum(lengths) + pad)
+        mine = [k for k, i in enumerate(host["index"]) if start <= i < end]
+        host.update(index=[host["index"][k] - start for k in mine], slots=[host["slots"][k] for k in mine])
     on_device = to_device(host, device)
     if padding_free:
-        input_ids = padded.flatten()[on_device["tokens"]][None]  # [1, S]
+        input_ids = padded.flatten()[on_device["tokens"]][None]  # [1, S]; the padding repeats the first token
         positions = on_device["positions"][None]  # [1, S]
-        packing = {"cu_seq_lens_q": on_device["cu_seq_lens"].int(), "max_length_q": T, "packed_lengths": lengths}
-        packing.update(cu_seq_lens_k=packing["cu_seq_lens_q"], max_length_k=T)
+        longest = max(T, pad)
+        packing = {"cu_seq_lens_q": on_device["cu_seq_lens"].int(), "max_length_q": longest,
+                   "packed_lengths": packed}
+        packing.update(cu_seq_lens_k=packing["cu_seq_lens_q"], max_length_k=longest)
+        if sp.size > 1:
+            packing["sequence_parallel"] = sp
     else:
         input_ids, packing = padded, {}
         positions = torch.arange(T, device=device).expand(len(lengths), T)  # [b, T]
@@ -251,7 +265,8 @@ def forward_inputs(model, batch: Batch, padding_free: bool) -> tuple[dict, torch
         rope, _ = base_of(model).model.get_rope_index(padded, token_types(model.config, padded),
                                                       attention_mask=valid.int().to(device),
                                                       **rope_index_arguments(images))  # [3, b, T]
-        positions = torch.cat([positions[None], rope.flatten(1)[:, on_device["tokens"]][:, None]])  # [4, 1, S]
+        rope = rope.flatten(1)[:, on_device["tokens"]]  # [3, S] (the padding's: the first token's, unused)
+        positions = torch.cat([positions[None], rope[:, None]])  # [4, 1, S]
     elif images:  # padded, with images or videos: the model computes its own 3-D positions
         positions = None
     inputs = {"input_ids": input_ids, **images, **packing}
@@ -290,30 +305,35 @@ def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Te
     return torch.cat(pieces) if pieces else hidden.new_zeros(0)
 
 
-def response_logprobs(model, batch: Batch, temperature: float, padding_free: bool = True) -> torch.Tensor:
+def response_logprobs(model, batch: Batch, temperature: float, padding_free: bool = True,
+                      sp: SequenceParallel = NO_SP) -> torch.Tensor:
     """log pi(response token | everything before it), logits divided by the sampling temperature -> [b, R],
     0 on padding.
 
-    A vision-language model's image placeholder tokens get the engines' logit bias (vision.py).
+    A vision-language model's image placeholder tokens get the engines' logit bias (vision.py). With sequence
+    parallelism every rank of the group computes the log-probs of the tokens its slice predicts, and all of them
+    get the whole [b, R] (sequence_parallel.py; the gradient of each entry flows to the rank that computed it).
     """
-    inputs, index, slots = forward_inputs(model, batch, padding_free)
+    inputs, index, slots = forward_inputs(model, batch, padding_free, sp)
     captured = []
     decoder = base_of(model).model  # a causal LM's decoder; a vision-language model's model (vision + language)
     hook = decoder.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
     try:  # the model's own forward (FSDP2's hooks run), asked for no logits: the decoder's output is all we take
-        model(**inputs, use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=index.device))
+        with sp.hooked(model):
+            model(**inputs, use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=index.device))
     finally:
         hook.remove()
     hidden = captured[0].flatten(0, 1)[index]  # [N, H]: the positions that predict the response tokens
     b, R = batch.responses.shape
     values = head_logprobs(model.get_output_embeddings(), hidden, batch.responses.flatten()[slots], temperature,
                            placeholder_token_ids(model.config))  # [N]
-    return values.new_zeros(b * R).index_copy(0, slots, values).view(b, R)  # [b, R], 0 on padding
+    out = values.new_zeros(b * R).index_copy(0, slots, values)  # [b * R], 0 on padding
+    return sp.gather(out).view(b, R)
 
 
 @torch.no_grad()
 def batched_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int, max_tokens: int = 0,
-                     padding_free: bool = True) -> torch.Tensor:
+                     padding_free: bool = True, sp: SequenceParallel = NO_SP) -> torch.Tensor:
     """response_logprobs over micro-batches (micro_batches) -> [B, R]: the old and the reference log-probs.
 
     In eval mode: a checkpoint's dropout (or --lora.dropout) would otherwise draw different log-probs for the same
@@ -325,7 +345,7 @@ def batched_logprobs(model, batch: Batch, temperature: float, micro_batch_size: 
     try:
         for rows in micro_batches(batch, micro_batch_size, max_tokens):
             out[torch.tensor(rows, device=out.device)] = response_logprobs(model, batch.select(rows), temperature,
-                                                                           padding_free)
+                                                                           padding_free, sp)
     finally:
         model.train(was_training)
     reshard(model)

@@ -41,7 +41,14 @@ def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     make every layer wait for the GPU.
 
     Example: packed_lengths [3, 2] -> sequences [0, 3) and [3, 5), each attending causally to itself.
+
+    Given `sequence_parallel` (sequence_parallel.py: the query, key and value are this rank's slice of the row), it
+    runs this on all of the row's tokens of this rank's heads, between its all-to-alls.
     """
+    sp = kwargs.pop("sequence_parallel", None)
+    if sp is not None:
+        return sp.attend(packed_sdpa_attention, module, query, key, value, attention_mask, dropout=dropout,
+                         scaling=scaling, **kwargs)
     lengths = kwargs.get("packed_lengths")
     packed_row = (attention_mask is None and lengths is not None and query.shape[0] == 1
                   and query.shape[2] == key.shape[2] and getattr(module, "is_causal", True))

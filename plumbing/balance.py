@@ -53,30 +53,33 @@ def deal(lengths: list[list[int]], mini_batch: int) -> list[list[Row]]:
     return held
 
 
-def balance_over_ranks(batch, mini_batch: int, pad_id: int):
-    """This rank's share of the batch (a logprobs.Batch) after balancing (module docstring), every field moved
-    with its rows. Unchanged when no mini-batch gains MIN_GAIN from moving sequences."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def balance_over_ranks(batch, mini_batch: int, pad_id: int, group: dist.ProcessGroup | None = None):
+    """This rank's share of the batch (a logprobs.Batch) after balancing (module docstring) over the ranks of
+    `group` (None: all), every field moved with its rows. Unchanged when no mini-batch gains MIN_GAIN from moving
+    sequences."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     lengths: list[list[int]] = [[] for _ in range(world)]
-    dist.all_gather_object(lengths, batch.sequence_lengths)
+    dist.all_gather_object(lengths, batch.sequence_lengths, group=group)
     held = deal(lengths, mini_batch)
     if all(held[r] == [(r, i) for i in range(len(lengths[r]))] for r in range(world)):
         return batch
     host = batch.to("cpu")  # one copy per tensor
     outgoing = [[] if dest == rank else [(i, host.row(i)) for r, i in held[dest] if r == rank] for dest in range(world)]
     device = batch.input_ids.device
-    received = {(source, i): row for source, rows in enumerate(_all_to_all(outgoing, device)) for i, row in rows}
+    received = {(source, i): row for source, rows in enumerate(_all_to_all(outgoing, device, group))
+                for i, row in rows}
     received.update({(rank, i): host.row(i) for r, i in held[rank] if r == rank})  # kept here
     return type(batch).from_rows([received[key] for key in held[rank]], pad_id, device)
 
 
-def _all_to_all(outgoing: list, device: torch.device) -> list:
-    """outgoing[r] goes to rank r; returns what each rank sent to this one (pickled through uint8 tensors)."""
+def _all_to_all(outgoing: list, device: torch.device, group: dist.ProcessGroup | None) -> list:
+    """outgoing[r] goes to rank r of `group`; returns what each rank sent to this one (pickled through uint8
+    tensors)."""
     payloads = [torch.frombuffer(bytearray(pickle.dumps(o)), dtype=torch.uint8) for o in outgoing]
     send_sizes = torch.tensor([len(p) for p in payloads], device=device)
     recv_sizes = torch.empty_like(send_sizes)
-    dist.all_to_all_single(recv_sizes, send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
     recv_sizes = recv_sizes.tolist()
     received = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(received, torch.cat(payloads).to(device), recv_sizes, send_sizes.tolist())
+    dist.all_to_all_single(received, torch.cat(payloads).to(device), recv_sizes, send_sizes.tolist(), group=group)
     return [pickle.loads(chunk.cpu().numpy().tobytes()) for chunk in received.split(recv_sizes)]

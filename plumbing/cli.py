@@ -114,6 +114,11 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, advantage_
     if cfg.rollout.engine == "hf" and cfg.rollout.tensor_parallel_size != 1:
         problems.append("--rollout.tensor-parallel-size applies to the vllm engine; the hf engine generates with the "
                         "trainer's own model on each rank: drop the flag or use --rollout.engine vllm")
+    sp = cfg.actor.sequence_parallel_size
+    if sp < 1 or world_size % sp:
+        problems.append(f"--actor.sequence-parallel-size {sp} must divide the world size {world_size}")
+    elif sp > 1 and not cfg.actor.padding_free:
+        problems.append(f"--actor.sequence-parallel-size {sp} cuts packed rows: drop --actor.no-padding-free")
     if world_size % cfg.rollout.tensor_parallel_size:
         problems.append(f"--rollout.tensor-parallel-size {cfg.rollout.tensor_parallel_size} "
                         f"must divide the world size {world_size}")

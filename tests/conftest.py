@@ -1,5 +1,6 @@
 """Shared helpers: run a script under torchrun the way users do (gloo on CPU, 2 ranks by default)."""
 
+import json
 import os
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 # a short job: 8 prompts x 4 samples a step, one micro-batch of the 16 sequences each rank holds
@@ -72,3 +74,36 @@ def stripes(frames: int, height: int = 56, width: int = 56) -> np.ndarray:
     for t in range(frames):
         video[t, :, (7 * t) % width : (7 * t) % width + 7] = 250
     return video
+
+
+def write_mixed_rows(folder: Path) -> tuple[Path, Path]:
+    """A training file of 16 rows in this order (rows 0-3, 4-7, 8-11, 12-15 are what 4 ranks, or 2 ranks in two
+    steps, get of 8 prompts a step without shuffling): video rows (a file of 8 frames, one of 4), image rows (one or
+    two images, two sizes), rows with an image and a video, and text rows, so that in step 1 rows 0-3 hold videos
+    and images and rows 4-7 only text; and a validation file whose videos are lists of frames. Files in `folder`
+    (--data.image-dir), videos to be read at --data.video-fps 4."""
+    write_video(folder / "long.mp4", stripes(8), fps=4)  # 8 frames kept at --data.video-fps 4
+    write_video(folder / "short.mp4", stripes(4, 84, 56), fps=4)
+    # (images, video) of each row: step 1 gives rank 0 rows 0-3 and rank 1 rows 4-7, step 2 rows 8-11 and 12-15
+    layout = [(0, "long"), (0, "short"), (1, "long"), (1, None), *[(0, None)] * 5, (2, None), (0, None), (1, None),
+              (0, "long"), (2, "short"), (0, None), (0, "short")]
+    rows = []
+    for i, (count, video) in enumerate(layout):
+        if not count and not video:
+            rows.append({"problem": f"{i % 10}{i % 10}{i % 10}", "answer": str(i % 10), "images": [], "videos": []})
+            continue
+        names = [f"{i}-{k}.png" for k in range(count)]
+        for k, name in enumerate(names):
+            Image.new("RGB", (56 + 28 * k, 56), (255 * (i % 2), 128, 0)).save(folder / name)
+        videos = [f"{video}.mp4"] if video else []
+        rows.append({"problem": "<image>" * count + "<video>" * len(videos) + "colour?", "answer": "red",
+                     "images": names, "videos": videos})
+    data = folder / "mixed.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for t, frame in enumerate(stripes(4)):  # validation: videos as lists of frames (a dataset holds one form)
+        Image.fromarray(frame).save(folder / f"frame{t}.png")
+    frames = [f"frame{t}.png" for t in range(4)]
+    val = folder / "frames.jsonl"
+    val.write_text("".join(json.dumps({"problem": "<video>" * len(videos) + "colour?", "answer": "red",
+                                       "videos": videos}) + "\n" for videos in ([frames], [], [frames, frames])))
+    return data, val

@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import grpo
-from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, free_port, stripes, torchrun, write_video
+from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, free_port, torchrun, write_mixed_rows
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -119,30 +118,7 @@ def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, ar
     (a hang, or gloo's "collective mismatch"). The trainer agrees with vLLM on every sample: the 8-frame video is
     longer than it is wide, where transformers' own positions would not (vision.use_original_positions). The
     validation data gives its videos as lists of frames."""
-    write_video(tmp_path / "long.mp4", stripes(8), fps=4)  # 8 frames kept at --data.video-fps 4
-    write_video(tmp_path / "short.mp4", stripes(4, 84, 56), fps=4)
-    # (images, video) of each row: step 1 gives rank 0 rows 0-3 and rank 1 rows 4-7, step 2 rows 8-11 and 12-15
-    layout = [(0, "long"), (0, "short"), (1, "long"), (1, None), *[(0, None)] * 5, (2, None), (0, None), (1, None),
-              (0, "long"), (2, "short"), (0, None), (0, "short")]
-    rows = []
-    for i, (count, video) in enumerate(layout):
-        if not count and not video:
-            rows.append({"problem": f"{i % 10}{i % 10}{i % 10}", "answer": str(i % 10), "images": [], "videos": []})
-            continue
-        names = [f"{i}-{k}.png" for k in range(count)]
-        for k, name in enumerate(names):
-            Image.new("RGB", (56 + 28 * k, 56), (255 * (i % 2), 128, 0)).save(tmp_path / name)
-        videos = [f"{video}.mp4"] if video else []
-        rows.append({"problem": "<image>" * count + "<video>" * len(videos) + "colour?", "answer": "red",
-                     "images": names, "videos": videos})
-    data = tmp_path / "mixed.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    for t, frame in enumerate(stripes(4)):  # validation: videos as lists of frames (a dataset holds one form)
-        Image.fromarray(frame).save(tmp_path / f"frame{t}.png")
-    frames = [f"frame{t}.png" for t in range(4)]
-    val = tmp_path / "frames.jsonl"
-    val.write_text("".join(json.dumps({"problem": "<video>" * len(videos) + "colour?", "answer": "red",
-                                       "videos": videos}) + "\n" for videos in ([frames], [], [frames, frames])))
+    data, val = write_mixed_rows(tmp_path)
     freeze = ["--actor.freeze-vision-tower"] if architecture == "qwen2_vl" else []
     # the R1-V recipe of the CLEVR and GeoQA presets, wired end to end: its template keeps the <image> placeholders
     r1v = (["--reward.function", "r1v", "--data.format-prompt", "templates/r1v.jinja",

@@ -1,0 +1,94 @@
+"""Ulysses sequence parallelism (sequence_parallel.py): the cut of a packed row by hand; under torchrun (2 ranks,
+gloo, FSDP2) log-probs and gradients with the row split over the ranks equal to each rank computing it whole; and
+training runs with split rows equal to the same runs without."""
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from conftest import FAST, SIGNAL, torchrun, write_mixed_rows
+from logprobs import forward_inputs, make_batch
+from plumbing.attention import PACKED_SDPA
+from plumbing.tiny import build_tiny_model
+from sequence_parallel import SequenceParallel
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return AutoModelForCausalLM.from_pretrained(build_tiny_model("qwen2", tmp_path_factory.mktemp("m") / "m"),
+                                                attn_implementation=PACKED_SDPA)
+
+
+def test_the_cut_of_a_row_by_hand():
+    """6 tokens over 2 ranks: no padding, [0, 3) and [3, 6); over 4: 2 tokens of padding, slices of 2."""
+    assert [SequenceParallel(2).padding(n) for n in (6, 7)] == [0, 1]
+    assert SequenceParallel(2, 1).bounds(6) == (3, 6) and SequenceParallel(4, 3).bounds(8) == (6, 8)
+
+
+@pytest.mark.parametrize("size, rank, packed, index, slots", [
+    (1, 0, [4, 2], [1, 2, 4], [0, 1, 2]),  # off: the whole row (logprobs.forward_inputs' own example)
+    (2, 0, [4, 2], [1, 2], [0, 1]),  # positions 0-2 predict the first sequence's 8 and 9
+    (2, 1, [4, 2], [1], [2]),  # positions 3-5: position 4 (local 1) predicts 10
+    (4, 1, [4, 2, 2], [0], [1]),  # padded to 8, slices of 2: positions 2-3 predict 9
+    (4, 3, [4, 2, 2], [], []),  # the padding's slice predicts nothing
+])
+def test_forward_inputs_give_each_rank_the_response_tokens_its_slice_predicts(model, size, rank, packed, index, slots):
+    """Prompts [5, 6] and [7] with responses [8, 9] and [10], packed: [[5, 6, 8, 9, 7, 10]]."""
+    batch = make_batch([[5, 6], [7]], [[8, 9], [10]], pad_id=0)
+    inputs, got_index, got_slots = forward_inputs(model, batch, True, SequenceParallel(size, rank))
+    assert inputs["packed_lengths"] == packed and inputs["cu_seq_lens_q"].tolist() == [0, 4, 6, 8][: len(packed) + 1]
+    assert inputs["input_ids"].shape[1] == sum(packed) and inputs["max_length_q"] == 4
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1][: sum(packed)]]
+    assert got_index.tolist() == index and got_slots.tolist() == slots
+    assert ("sequence_parallel" in inputs) == (size > 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_split_rows_give_the_log_probs_and_gradients_of_whole_ones(tmp_path, architecture):
+    """tests/sp_worker.py: rows of uneven lengths (an odd total, so the row is padded), for the text model with 1
+    key/value head for 2 query heads (repeated for the 2 ranks) and for each Qwen-VL with rows holding images, videos
+    and neither (the cut falls where the lengths put it, inside an image's tokens or not)."""
+    out = tmp_path / "result.json"
+    torchrun(["tests/sp_worker.py", architecture, str(out)])
+    result = json.loads(out.read_text())
+    assert result["logprobs"] < 1e-5 and result["gradients"] < 1e-5 and not result["missing"], result
+    assert result["gradient_scale"] > 1  # gradients that are there to compare
+
+
+def run(tmp_path, name: str, flags: list[str], nproc: int = 2) -> list[dict]:
+    torchrun(["grpo.py", "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
+              "--trainer.experiment-name", name, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+              "--trainer.no-save-final", *FAST, *flags], nproc=nproc, timeout=600)
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_training(split: list[dict], whole: list[dict]):
+    """The same samples (each rank generated its own prompts either way), so the same losses, KL, gradient norms and
+    rewards, step after step: the split rows train exactly as whole ones."""
+    assert len(split) == len(whole) == 2
+    for a, b in zip(split, whole):
+        keys = [k for k in b if k.startswith(("actor/", "train/", "rollout/logprob"))]
+        assert keys and all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in keys), (a, b)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_split_rows_train_as_two_ranks_without(tmp_path):
+    """`torchrun --nproc_per_node 2 grpo.py --actor.sequence-parallel-size 2` (one group of 2: both ranks train on
+    both ranks' rollouts, each on half of every row) against the same job with 2 data-parallel ranks."""
+    flags = [*SIGNAL, "--actor.max-tokens-per-micro-batch", "260"]  # 2 micro-batches by the budget
+    assert_same_training(run(tmp_path, "split", [*flags, "--actor.sequence-parallel-size", "2"]),
+                         run(tmp_path, "whole", flags))
+
+
+@pytest.mark.slow
+def test_four_ranks_two_by_two_on_mixed_vision_rows(tmp_path):
+    """4 ranks as 2 groups of 2, the tiny Qwen2.5-VL on image, video and text rows: in step 1 one group holds only
+    text rows while the other runs the vision tower (no hang), and the run trains as 4 data-parallel ranks do."""
+    data, val = write_mixed_rows(tmp_path)
+    flags = ["--actor.model-path", "tiny:qwen2_5_vl", "--data.train-files", str(data), "--data.val-files", "",
+             "--data.image-dir", str(tmp_path), "--data.no-shuffle", "--data.video-fps", "4", "--rollout.engine", "hf",
+             "--trainer.dist-timeout-minutes", "2"]
+    assert_same_training(run(tmp_path, "split", [*flags, "--actor.sequence-parallel-size", "2"], nproc=4),
+                         run(tmp_path, "whole", flags, nproc=4))
