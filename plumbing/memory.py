@@ -31,8 +31,9 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
       layers, 2 x (root + 2 x layer), plus one unit's fp32 copy for its reduce-scatter, 4 x max(root, layer)
       (none for LoRA's frozen base)
     activations: T x L x (17h + 8I) bytes; with gradient checkpointing T x (2hL + 17h + 8I) (every layer's
-      input, plus one layer's activations while it is recomputed)
-    logits for the log-probs: one chunk of c = min(T, CHUNK_TOKENS) tokens, c x V x 16 bytes (bf16
+      input, plus one layer's activations while it is recomputed); with sequence parallelism over N ranks each
+      holds T/N of every micro-batch's tokens, so its activations are 1/N of these
+    logits for the log-probs: one chunk of c = min(T/N, CHUNK_TOKENS) tokens, c x V x 16 bytes (bf16
       logits, their fp32 copy, the log-softmax's fp32 intermediate, the fp32 and bf16 gradients): the output head
       runs a chunk at a time, never on all T tokens
     vLLM's CUDA graphs (1 GiB), overhead: 2 GiB
@@ -163,11 +164,13 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                     gradient_checkpointing: bool, engine: str = "vllm", gpu_memory_utilization: float = 0.5,
                     tensor_parallel_size: int = 1, max_tokens_per_micro_batch: int = 0, param_bytes: int = 4,
                     moment_bytes: int = 8, cpu_offload: bool = False, offload_while_generating: bool = False,
-                    lora: bool = False, enforce_eager: bool = False) -> MemoryEstimate:
+                    lora: bool = False, enforce_eager: bool = False, sequence_parallel_size: int = 1
+                    ) -> MemoryEstimate:
     """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
 
     Example: P = 1e9 on W = 4 GPUs with KL, fp32 AdamW -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
-    training actor 4e9 (16P/W); V = 151936 -> logits of one 1024-token chunk 1.6e9 bytes.
+    training actor 4e9 (16P/W); V = 151936 -> logits of one 1024-token chunk 1.6e9 bytes. Sequence parallelism
+    over N = 4: the activations of a micro-batch of T tokens are those of T/4 (each rank holds a quarter of the row).
     """
     P, root, layer = _parameter_counts(model_config)
     text = model_config.get_text_config()  # a VLM's language model; a text model's own config
@@ -197,7 +200,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     else:
         raise ValueError(f"unknown rollout engine {engine!r}: vllm or hf")
     layer_activations = 17 * h + 8 * I  # bytes per token of one layer (Korthikanti et al., gated MLP)
-    activations = T * (2 * h * L + layer_activations) if gradient_checkpointing else T * L * layer_activations
+    held = -(-T // sequence_parallel_size)  # tokens of a micro-batch on each rank
+    activations = held * (2 * h * L + layer_activations) if gradient_checkpointing else held * L * layer_activations
     rollout = {ACTOR_STATE: resident * state_bytes * P // W,
                **{k: resident * v for k, v in reference.items()}, **engine_items, OVERHEAD: 2 * GiB}
     sync = {ACTOR_STATE: on_gpu * state_bytes * P // W, **{k: on_gpu * v for k, v in reference.items()},
@@ -208,7 +212,7 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                 "gathered bf16 units: root + 2 layers": 2 * (root + 2 * layer),
                 GRADIENTS: 0 if lora else 2 * (root + 2 * layer) + 4 * max(root, layer),
                 ACTIVATIONS + (" (checkpointed)" if gradient_checkpointing else ""): activations,
-                LOGITS: min(T, CHUNK_TOKENS) * V * 16, **graphs, OVERHEAD: 2 * GiB}
+                LOGITS: min(held, CHUNK_TOKENS) * V * 16, **graphs, OVERHEAD: 2 * GiB}
     return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs)
 
 
@@ -219,10 +223,18 @@ def _advice(phase: str, items: dict[str, int], e: MemoryEstimate, options: dict)
     if VLLM in items:
         advice.append(f"lower `--rollout.gpu-memory-utilization` (vLLM's budget; it needs at least "
                       f"{e.vllm_needs / e.gpu_bytes:.2f} for its weights and 1 GiB of KV cache)")
-    if phase == "training" or HF_KV_CACHE in items:  # both grow with the tokens of a micro-batch
-        advice += ["a smaller `--actor.micro-batch-size`",
-                   "shorter sequences (`--data.max-prompt-length`, `--rollout.max-response-length`)"]
+    one_sequence = (options.get("max_tokens_per_micro_batch") or options["micro_batch_size"] * options["max_seq_len"]
+                    ) <= options["max_seq_len"]  # a micro-batch is the longest sequence alone: only a cut helps
     if phase == "training":
+        sp = options.get("sequence_parallel_size", 1)
+        split = (f"`--actor.sequence-parallel-size {2 * sp}` (each rank holds 1/{2 * sp} of every row's activations;"
+                 " it must divide the world size and the model's attention heads)")
+        advice.insert(0 if one_sequence else len(advice), split)
+    if (phase == "training" or HF_KV_CACHE in items) and not one_sequence:  # both grow with a micro-batch's tokens
+        advice.append("a smaller `--actor.micro-batch-size`")
+    if phase == "training" or HF_KV_CACHE in items:
+        advice.append("shorter sequences (`--data.max-prompt-length`, `--rollout.max-response-length`)")
+    if phase == "training" and not one_sequence:
         advice.append("`--actor.max-tokens-per-micro-batch N` (micro-batches of at most N tokens)")
     if VLLM_WEIGHTS in items:
         advice.append("`--rollout.tensor-parallel-size N` (each GPU holds 1/N of the engine's weights)")
@@ -273,8 +285,8 @@ def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> M
     return check_memory(AutoConfig.from_pretrained(model_path), world_size=world_size, gpu_bytes=gpu_bytes,
                         kl=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
                         # a micro-batch holds at most a rank's share of the rollout batch, whatever the flag says
-                        micro_batch_size=min(cfg.actor.micro_batch_size,
-                                             cfg.trainer.rollout_batch_size * cfg.rollout.n // world_size),
+                        micro_batch_size=min(cfg.actor.micro_batch_size, cfg.trainer.rollout_batch_size *
+                                             cfg.rollout.n * cfg.actor.sequence_parallel_size // world_size),
                         max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                         gradient_checkpointing=cfg.actor.gradient_checkpointing, engine=cfg.rollout.engine,
                         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
@@ -282,7 +294,8 @@ def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> M
                         max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
                         **precision(cfg.actor.dtype, cfg.actor.optimizer), cpu_offload=cfg.actor.fsdp_cpu_offload,
                         offload_while_generating=cfg.actor.offload_while_generating, lora=cfg.lora.rank > 0,
-                        enforce_eager=cfg.rollout.enforce_eager)
+                        enforce_eager=cfg.rollout.enforce_eager,
+                        sequence_parallel_size=cfg.actor.sequence_parallel_size)
 
 
 def precision(dtype: str, optimizer: str) -> dict[str, int]:
@@ -301,13 +314,17 @@ SETUPS = {  # the README's hardware table: name -> estimate_memory options
     "fp32 weights, adamw_bf16": dict(param_bytes=4, moment_bytes=4),
     "bf16 weights, adamw_bf16": dict(param_bytes=2, moment_bytes=4),
     "bf16 + adamw_bf16 + offload while generating": dict(param_bytes=2, moment_bytes=4, offload_while_generating=True),
-    "LoRA (bf16 base, no reference model)": dict(lora=True)}
+    "LoRA (bf16 base, no reference model)": dict(lora=True),
+    "bf16 + adamw_bf16, one 32k-token sequence a micro-batch": dict(param_bytes=2, moment_bytes=4, max_seq_len=32768),
+    "the same, sequence parallel 2": dict(param_bytes=2, moment_bytes=4, max_seq_len=32768, sequence_parallel_size=2),
+    "the same, sequence parallel 4": dict(param_bytes=2, moment_bytes=4, max_seq_len=32768, sequence_parallel_size=4)}
 
 
 def gpus_needed(model_config, gpu_bytes: int, **options) -> tuple[int, int] | None:
-    """(GPUs, vLLM tensor-parallel size): the fewest GPUs (a power of two up to 256) on which both phases fit, with
-    the smallest tensor-parallel size whose share of the engine's weights fits its budget; None beyond 256."""
-    for world in (2**k for k in range(9)):
+    """(GPUs, vLLM tensor-parallel size): the fewest GPUs (a power of two up to 256, at least one sequence-parallel
+    group) on which both phases fit, with the smallest tensor-parallel size whose share of the engine's weights fits
+    its budget; None beyond 256."""
+    for world in (2**k for k in range(9) if 2**k >= options.get("sequence_parallel_size", 1)):
         for tp in (2**k for k in range(world.bit_length())):
             e = estimate_memory(model_config, world_size=world, gpu_bytes=gpu_bytes, tensor_parallel_size=tp, **options)
             if e.vllm_needs <= e.rollout[VLLM]:
@@ -319,7 +336,8 @@ def gpus_needed(model_config, gpu_bytes: int, **options) -> tuple[int, int] | No
 
 def hardware_table(gpu_gib: float = 80.0) -> str:
     """GPUs of `gpu_gib` needed to train each Qwen2.5 size with each SETUPS entry (Markdown), for a run with KL,
-    vLLM at 0.5 of each GPU, micro-batches of 8,192 tokens and gradient checkpointing."""
+    vLLM at 0.5 of each GPU, micro-batches of 8,192 tokens (or the entry's sequence length) and gradient
+    checkpointing; sequence parallelism needs the model's attention heads to split over a group."""
     from transformers import Qwen2Config
 
     lines = ["| setup | " + " | ".join(QWEN2_5_SHAPES) + " |", "|---|" + "---|" * len(QWEN2_5_SHAPES)]
@@ -329,9 +347,14 @@ def hardware_table(gpu_gib: float = 80.0) -> str:
             config = Qwen2Config(hidden_size=h, intermediate_size=inner, num_hidden_layers=layers,
                                  num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
                                  tie_word_embeddings=tied)
-            need = gpus_needed(config, int(gpu_gib * GiB), kl=True, micro_batch_size=1, max_seq_len=8192,
-                               max_tokens_per_micro_batch=8192, gradient_checkpointing=True, **setup)
-            cells.append(f"{need[0]} (TP {need[1]})" if need else "> 256")
+            options = {"max_seq_len": 8192, **setup}
+            if heads % options.get("sequence_parallel_size", 1):
+                cells.append(f"- ({heads} heads)")
+                continue
+            need = gpus_needed(config, int(gpu_gib * GiB), kl=True, micro_batch_size=1,
+                               max_tokens_per_micro_batch=options["max_seq_len"], gradient_checkpointing=True,
+                               **options)
+            cells.append((f"{need[0]} (TP {need[1]})" if need[1] > 1 else str(need[0])) if need else "> 256")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -354,6 +377,7 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["adamw", "adamw_bf16"], default="adamw", help="--actor.optimizer")
     parser.add_argument("--fsdp-cpu-offload", action="store_true")
     parser.add_argument("--offload-while-generating", action="store_true")
+    parser.add_argument("--sequence-parallel-size", type=int, default=1, help="--actor.sequence-parallel-size")
     parser.add_argument("--hardware-table", action="store_true",
                         help="print the README's table of GPUs per Qwen2.5 size")
     args = parser.parse_args()
@@ -369,7 +393,8 @@ def main() -> None:
                        tensor_parallel_size=args.tensor_parallel_size,
                        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                        **precision(args.dtype, args.optimizer),
-                       cpu_offload=args.fsdp_cpu_offload, offload_while_generating=args.offload_while_generating))
+                       cpu_offload=args.fsdp_cpu_offload, offload_while_generating=args.offload_while_generating,
+                       sequence_parallel_size=args.sequence_parallel_size))
 
 
 if __name__ == "__main__":

@@ -120,6 +120,37 @@ def test_precision_offload_and_token_budget_by_hand():
     assert budget.training[ACTIVATIONS] == 512 * L * (17 * h + 8 * I) and budget.training[LOGITS] == 512 * 1000 * 16
 
 
+def test_sequence_parallelism_divides_the_activations_by_hand():
+    """Over N ranks each holds T/N of a micro-batch's tokens (rounded up): its activations and its head chunk are those
+    of T/N tokens; nothing else changes (the weights are sharded over all ranks either way)."""
+    h, I, L = 64, 160, 3
+    options = dict(world_size=4, gpu_bytes=GPU_80GB, gradient_checkpointing=False, kl=True, micro_batch_size=1,
+                   max_seq_len=4098)
+    whole, split = (estimate_memory(TINY, sequence_parallel_size=n, **options) for n in (1, 4))
+    assert whole.training[ACTIVATIONS] == 4098 * L * (17 * h + 8 * I)
+    assert split.training[ACTIVATIONS] == 1025 * L * (17 * h + 8 * I)  # ceil(4098 / 4)
+    assert whole.training[LOGITS] == 1024 * 1000 * 16 and split.training[LOGITS] == 1024 * 1000 * 16  # a chunk
+    checkpointed = estimate_memory(TINY, **{**options, "gradient_checkpointing": True, "sequence_parallel_size": 2})
+    assert checkpointed.training["activations (checkpointed)"] == 2049 * (2 * h * L + 17 * h + 8 * I)
+    assert {k: v for k, v in split.training.items() if k != ACTIVATIONS} == {
+        k: v for k, v in whole.training.items() if k != ACTIVATIONS}
+    assert split.rollout == whole.rollout and split.sync == whole.sync
+
+
+def test_a_sequence_too_long_for_one_gpu_is_refused_naming_sequence_parallelism_first():
+    """One 32k-token sequence a micro-batch of 72B on 32 GPUs of 80 GiB (the hardware table's row): its activations
+    alone outgrow a GPU, so the first remedy is the cut (smaller micro-batches cannot help); with it the run fits."""
+    qwen_72b = Qwen2Config(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                           num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False)
+    options = dict(world_size=32, gpu_bytes=80 * 2**30, kl=True, micro_batch_size=1, max_seq_len=32768,
+                   gradient_checkpointing=True, param_bytes=2, moment_bytes=4, tensor_parallel_size=4)
+    with pytest.raises(SystemExit) as refusal:
+        check_memory(qwen_72b, **options)
+    advice = str(refusal.value).split("To fit, any of:\n")[1].splitlines()
+    assert "--actor.sequence-parallel-size 2" in advice[0] and "--actor.micro-batch-size" not in str(refusal.value)
+    check_memory(qwen_72b, sequence_parallel_size=2, **options)
+
+
 def test_the_readme_shows_the_hardware_table_memory_py_prints():
     """The README's "GPUs needed" table is `python -m plumbing.memory --hardware-table` (which writes "(TP 1)" where the
     README leaves it out): a change to the estimate that moves a cell must move the README too."""
