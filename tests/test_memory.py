@@ -273,3 +273,19 @@ def test_an_offloading_run_is_checked_where_the_state_meets_the_engine_weights()
     assert "the sync phase does not fit" in message and "rollout phase does not fit" not in message
     assert "training phase does not fit" not in message and "--rollout.tensor-parallel-size N" in message
     check_memory(QWEN_7B, tensor_parallel_size=2, **options)  # half the engine's weights per GPU
+
+
+def test_the_long_response_preset_fits_eight_gpus_only_with_its_sequence_parallelism(tmp_path):
+    """configs/long_cot_r1_distill_32b_sp4.yaml with the 32B model's shape (DeepSeek-R1-Distill-Qwen-32B has
+    Qwen2.5-32B's architecture) on 8 GPUs of 80 GiB: accepted as it is, refused without sequence parallelism, naming
+    it."""
+    from grpo import parse_config
+    from plumbing.memory import check_run_memory
+
+    Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False).save_pretrained(tmp_path)
+    cfg = parse_config(["long_cot_r1_distill_32b_sp4"])
+    check_run_memory(cfg, str(tmp_path), world_size=8, gpu_bytes=80 * 2**30)
+    cfg.actor.sequence_parallel_size = 1
+    with pytest.raises(SystemExit, match=r"training phase does not fit(.|\n)*--actor.sequence-parallel-size 2"):
+        check_run_memory(cfg, str(tmp_path), world_size=8, gpu_bytes=80 * 2**30)
