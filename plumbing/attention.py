@@ -11,6 +11,10 @@ rows as fast as padded ones or faster, where sdpa's block-diagonal mask makes th
 
 Everything else goes to transformers' sdpa unchanged: padded batches with a mask (the hf engine's generation),
 one token at a time against a KV cache, the vision towers (bidirectional, split by their own cu_seqlens).
+
+Both the trainer's attentions (packed_sdpa, and flash-attn under transformers' own name) take a sequence-parallel
+group in their kwargs (`sequence_parallel`: sequence_parallel.py), given with a forward whose rows are cut over
+ranks: they then attend between the group's all-to-alls.
 """
 
 import functools
@@ -18,10 +22,12 @@ import functools
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 PACKED_SDPA = "packed_sdpa"
+FLASH = "flash_attention_2"
 
 
 def packed_sdpa_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
@@ -41,14 +47,7 @@ def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     make every layer wait for the GPU.
 
     Example: packed_lengths [3, 2] -> sequences [0, 3) and [3, 5), each attending causally to itself.
-
-    Given `sequence_parallel` (sequence_parallel.py: the query, key and value are this rank's slice of the row), it
-    runs this on all of the row's tokens of this rank's heads, between its all-to-alls.
     """
-    sp = kwargs.pop("sequence_parallel", None)
-    if sp is not None:
-        return sp.attend(packed_sdpa_attention, module, query, key, value, attention_mask, dropout=dropout,
-                         scaling=scaling, **kwargs)
     lengths = kwargs.get("packed_lengths")
     packed_row = (attention_mask is None and lengths is not None and query.shape[0] == 1
                   and query.shape[2] == key.shape[2] and getattr(module, "is_causal", True))
@@ -63,13 +62,29 @@ def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None  # [1, S, heads, d]
 
 
-AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+def sequence_parallel_aware(attention):
+    """`attention` (transformers' interface) that, given `sequence_parallel` (sequence_parallel.py: the query, key and
+    value are this rank's slice of a packed row), runs on all of the row's tokens of this rank's heads, between the
+    group's all-to-alls; without it, `attention` as it is."""
+
+    def wrapped(module, query, key, value, attention_mask, **kwargs):
+        sp = kwargs.pop("sequence_parallel", None)
+        if sp is None:
+            return attention(module, query, key, value, attention_mask, **kwargs)
+        return sp.attend(attention, module, query, key, value, attention_mask, **kwargs)
+
+    return wrapped
+
+
+AttentionInterface.register(PACKED_SDPA, sequence_parallel_aware(packed_sdpa_attention))
 AttentionMaskInterface.register(PACKED_SDPA, packed_sdpa_mask)
+# flash-attn keeps transformers' own name (and all that transformers does for it) and gains the cut
+AttentionInterface.register(FLASH, sequence_parallel_aware(flash_attention_forward))
 
 
 def attention_implementation(device: torch.device) -> str:
     """flash-attn (varlen kernels for packed sequences) where it works on a GPU; else packed_sdpa."""
-    return "flash_attention_2" if flash_attn_problem(device.type) is None else PACKED_SDPA
+    return FLASH if flash_attn_problem(device.type) is None else PACKED_SDPA
 
 
 def attention_line(device: torch.device) -> str:

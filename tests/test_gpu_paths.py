@@ -208,6 +208,28 @@ def test_flash_attn_is_used_only_if_it_imports_and_runs(tmp_path, monkeypatch):
         flash_attn_problem.cache_clear()
 
 
+@pytest.mark.parametrize("name", [PACKED_SDPA, "flash_attention_2"])
+def test_each_trainer_attention_hands_a_cut_row_to_its_sequence_parallel_group(name, monkeypatch):
+    """On a GPU the trainer attends with flash_attention_2 (transformers' own function): given the
+    `sequence_parallel` kwarg of a cut row (sequence_parallel.py) it must attend between the group's all-to-alls,
+    never on the rank's slice alone (which would give each rank attention over its own tokens only, and no error).
+    A recording group stands in for the group, the meta device for the data."""
+    calls = []
+
+    class Group:
+        def attend(self, attention, module, query, key, value, mask, **kwargs):
+            calls.append(("group", attention, sorted(kwargs)))
+            return query.transpose(1, 2), None
+
+    registered = AttentionInterface._global_mapping[name]
+    query = torch.empty(1, 2, 5, 4, device="meta")
+    module = torch.nn.Module()
+    registered(module, query, query, query, None, sequence_parallel=Group(), packed_lengths=[3, 2])
+    assert len(calls) == 1 and calls[0][0] == "group" and calls[0][2] == ["packed_lengths"]
+    wrapped = calls[0][1]  # what the group runs between its all-to-alls: the attention itself, not the wrapper
+    assert wrapped.__name__ in ("packed_sdpa_attention", "flash_attention_forward")
+
+
 def run_setup(tmp_path, driver: str, torch_is_cpu: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     """setup.sh's GPU branch, in a copy of the project folder with stand-ins for nvidia-smi and for an existing venv's
     python and pip (the pip stand-in records its calls instead of installing). Returns the run and pip's calls."""
