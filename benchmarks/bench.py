@@ -3,7 +3,7 @@ trainer's update against a bare FSDP2 loop, padding-free against padded, the log
 
     .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --n 8 --max-tokens 512
-    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video or rewards
+    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video, rewards or sp
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -32,6 +32,9 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   the toy reward, the LLM judge against `vllm serve` of the tiny model on 127.0.0.1, and the sandboxed code reward on
   the built-in code task (toy_code: 3 sandbox runs a sample); timing/reward and the whole step, means over steps 2 to
   --steps.
+- sp (`--only sp`): sequence parallelism. One long sequence through the update's forward and backward on 2 ranks,
+  whole and cut over both (sequence_parallel.py), at 2k to 16k tokens, each in a fresh process: a rank's peak
+  memory above what it held before (the longest each holds within one budget) and seconds per update.
 """
 
 import argparse
@@ -221,6 +224,46 @@ def part_balance(args) -> dict:
     return {"tokens_per_rank": tokens, "as_is_s": as_is, "balanced_s": dealt}
 
 
+SP_MODEL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=65536)  # `--only sp`: activations dominate
+SP_LENGTHS = (2048, 4096, 8192, 12288, 16384)
+
+
+def part_sp(args) -> dict:
+    """Under torchrun: one sequence of args.max_response response tokens (after a 32-token prompt) through the
+    update's forward and backward (FSDP2 over the ranks, fp32), its rows cut over --sp ranks; this rank's peak memory
+    above what it held before, and the update's seconds (the mean of --repeats after one)."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_utils import init_distributed, load_sharded_model
+    from logprobs import make_batch, response_logprobs
+    from sequence_parallel import SequenceParallel
+
+    rank, world, device = init_distributed()
+    model = load_sharded_model(args.model, device, trainable=True)
+    sp = SequenceParallel.build(args.sp, args.model)
+    g = torch.Generator().manual_seed(0)
+    batch = make_batch([torch.randint(10, 100, (32,), generator=g).tolist()],
+                       [torch.randint(10, 100, (args.max_response,), generator=g).tolist()], pad_id=0).to(device)
+
+    def update() -> None:
+        response_logprobs(model, batch, 1.0, sp=sp).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    update()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.repeats):
+        update()
+    seconds = (time.perf_counter() - start) / args.repeats
+    return {"peak_mib": peak / 2**20, "seconds": seconds, "tokens": len(batch.input_ids[0])}
+
+
 def part_logits(args) -> dict:
     """Peak memory of one forward and backward of the response log-probs, a 152k vocabulary: the full-logits
     computation the trainer used before logprobs.py (`--part logits` with --full) or the chunked head."""
@@ -258,7 +301,7 @@ def run_part(part: str, args, torchrun: bool, nproc: int = 1) -> dict:
                       "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
                       "--rows", str(args.rows), "--min-response", str(args.min_response), "--max-response",
                       str(args.max_response), "--tokens-per-micro-batch", str(args.tokens_per_micro_batch)]
-    cmd += ["--full"] if args.full else []
+    cmd += (["--full"] if args.full else []) + ["--sp", str(getattr(args, "sp", 1))]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=not args.verbose)
     return json.loads(out.read_text())
 
@@ -498,9 +541,43 @@ def rewards_tables(args) -> None:
         print(f"| {name} | " + " | ".join(f"{sum(m[k] for m in lines) / len(lines):.3f}" for k in keys) + " |")
 
 
+def sp_tables(args) -> None:
+    """Peak memory of the update against the sequence's length with and without the cut over 2 ranks, the longest
+    each holds within the same budget, and the cost of the cut in tokens/s at a length both hold."""
+    from plumbing.tiny import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_tiny_model("qwen2", Path(tmp) / "sp-model", **SP_MODEL))
+        measured = {}
+        for length in SP_LENGTHS:
+            for size in (1, 2):
+                part_args = argparse.Namespace(**{**vars(args), "model": model, "max_response": length - 32,
+                                                  "sp": size})
+                measured[length, size] = run_part("sp", part_args, torchrun=True, nproc=2)
+    budget = measured[8192, 1]["peak_mib"]
+    longest = {size: max(n for (n, s), m in measured.items() if s == size and m["peak_mib"] <= budget * 1.05)
+               for size in (1, 2)}
+    shape = SP_MODEL
+    print(f"One sequence through the update's forward and backward on 2 ranks (FSDP2, fp32; a {shape['hidden_size']}-"
+          f"wide, {shape['num_hidden_layers']}-layer model with {shape['num_attention_heads']} heads): peak memory of"
+          " a rank above what it held before, MiB, and seconds per update:\n\n| tokens | peak, whole row | peak, cut "
+          "over 2 | seconds, whole | seconds, cut over 2 |\n|---|---|---|---|---|")
+    for length in SP_LENGTHS:
+        whole, cut = measured[length, 1], measured[length, 2]
+        print(f"| {length:,} | {whole['peak_mib']:.0f} | {cut['peak_mib']:.0f} | {whole['seconds']:.2f} | "
+              f"{cut['seconds']:.2f} |")
+    print(f"\nWithin the whole row's peak at 8,192 tokens ({budget:.0f} MiB a rank): {longest[1]:,} tokens whole, "
+          f"{longest[2]:,} cut over 2. The 2 ranks' update throughput, whole (data parallel: a sequence each) against "
+          "cut (one sequence between them):")
+    for length in (4096, 8192):
+        whole, cut = measured[length, 1], measured[length, 2]
+        data_parallel, split = 2 * whole["tokens"] / whole["seconds"], cut["tokens"] / cut["seconds"]
+        print(f"{length:,} tokens: {data_parallel:,.0f} against {split:,.0f} tokens/s ({data_parallel / split:.2f}x).")
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video", "rewards"],
+    parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video", "rewards", "sp"],
                         help="one part of the benchmark")
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
@@ -513,13 +590,14 @@ def main():
     parser.add_argument("--max-response", type=int, default=2000, help="trainer: longest response")
     parser.add_argument("--tokens-per-micro-batch", type=int, default=8192, help="trainer: the token budget")
     parser.add_argument("--full", action="store_true", help="logits part: the full-logits computation")
-    parser.add_argument("--part", choices=["rollout", "bare", "hf", "update", "balance", "logits"])
+    parser.add_argument("--part", choices=["rollout", "bare", "hf", "update", "balance", "logits", "sp"])
+    parser.add_argument("--sp", type=int, default=1, help="sp part: the sequence-parallel size")
     parser.add_argument("--out")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     if args.part:
         parts = {"rollout": part_rollout, "bare": part_bare, "hf": part_hf, "update": part_update,
-                 "balance": part_balance, "logits": part_logits}
+                 "balance": part_balance, "logits": part_logits, "sp": part_sp}
         result = parts[args.part](args)
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has a result; the ranks' timings differ
             Path(args.out).write_text(json.dumps(result))
@@ -534,6 +612,8 @@ def main():
         video_tables(args)
     if args.only in (None, "rewards"):
         rewards_tables(args)
+    if args.only in (None, "sp"):
+        sp_tables(args)
 
 
 if __name__ == "__main__":
