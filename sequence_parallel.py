@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single_autograd, all_to_all_single_autograd
-
 from transformers import AutoConfig
 
 from lora import base_of
