@@ -151,8 +151,9 @@ class Stub(BaseHTTPRequestHandler):
         Stub.requests.append(prompt)
         if "server error" in prompt:
             return self._send(500, {"error": "boom"})
-        if "slow" in prompt:
+        if "slow" in prompt:  # past the client's timeout: it has gone when this would answer
             time.sleep(2)
+            return
         text = "no score here" if "garbled" in prompt else f"Score: {len(prompt) % 2}. Final: {body['max_tokens']}"
         self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                          "choices": [{"index": 0, "finish_reason": "stop",
