@@ -305,6 +305,36 @@ def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Te
     return torch.cat(pieces) if pieces else hidden.new_zeros(0)
 
 
+def decoder_states(model, inputs: dict, **kwargs) -> torch.Tensor:
+    """The model's own forward on `inputs` (FSDP2's hooks run), and what its decoder (a causal LM's or a
+    sequence classifier's; a vision-language model's model, vision and language) returned: the last hidden states
+    [rows, S, H]."""
+    captured = []
+    hook = base_of(model).model.register_forward_hook(
+        lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        model(**inputs, use_cache=False, **kwargs)
+    finally:
+        hook.remove()
+    return captured[0]
+
+
+def _over_micro_batches(model, batch: Batch, micro_batch_size: int, max_tokens: int, out: torch.Tensor,
+                        compute) -> torch.Tensor:
+    """`out` ([B, ...]) filled with compute(micro-batch) over micro_batches, in eval mode: a checkpoint's dropout (or
+    --lora.dropout) would otherwise draw different values for the same tokens at every pass. No backward follows
+    these passes, so the model's root FSDP unit is resharded after them (fsdp_utils.reshard)."""
+    was_training = model.training
+    model.eval()
+    try:
+        for rows in micro_batches(batch, micro_batch_size, max_tokens):
+            out[torch.tensor(rows, device=out.device)] = compute(batch.select(rows))
+    finally:
+        model.train(was_training)
+    reshard(model)
+    return out
+
+
 def response_logprobs(model, batch: Batch, temperature: float, padding_free: bool = True,
                       sp: SequenceParallel = NO_SP) -> torch.Tensor:
     """log pi(response token | everything before it), logits divided by the sampling temperature -> [b, R],
@@ -315,15 +345,9 @@ def response_logprobs(model, batch: Batch, temperature: float, padding_free: boo
     get the whole [b, R] (sequence_parallel.py; the gradient of each entry flows to the rank that computed it).
     """
     inputs, index, slots = forward_inputs(model, batch, padding_free, sp)
-    captured = []
-    decoder = base_of(model).model  # a causal LM's decoder; a vision-language model's model (vision + language)
-    hook = decoder.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
-    try:  # the model's own forward (FSDP2's hooks run), asked for no logits: the decoder's output is all we take
-        with sp.hooked(model):
-            model(**inputs, use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=index.device))
-    finally:
-        hook.remove()
-    hidden = captured[0].flatten(0, 1)[index]  # [N, H]: the positions that predict the response tokens
+    with sp.hooked(model):  # asked for no logits: the decoder's output is all we take
+        states = decoder_states(model, inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=index.device))
+    hidden = states.flatten(0, 1)[index]  # [N, H]: the positions that predict the response tokens
     b, R = batch.responses.shape
     values = head_logprobs(model.get_output_embeddings(), hidden, batch.responses.flatten()[slots], temperature,
                            placeholder_token_ids(model.config))  # [N]
@@ -334,48 +358,28 @@ def response_logprobs(model, batch: Batch, temperature: float, padding_free: boo
 @torch.no_grad()
 def batched_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int, max_tokens: int = 0,
                      padding_free: bool = True, sp: SequenceParallel = NO_SP) -> torch.Tensor:
-    """response_logprobs over micro-batches (micro_batches) -> [B, R]: the old and the reference log-probs.
-
-    In eval mode: a checkpoint's dropout (or --lora.dropout) would otherwise draw different log-probs for the same
-    tokens at every pass; the update's own forward keeps the model's dropout. No backward follows these passes, so
-    the model's root FSDP unit is resharded after them (fsdp_utils.reshard)."""
+    """response_logprobs over micro-batches (_over_micro_batches: eval mode, the root resharded after) -> [B, R]: the
+    old and the reference log-probs. The update's own forward keeps the model's dropout."""
     out = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)  # [B, R]
-    was_training = model.training
-    model.eval()
-    try:
-        for rows in micro_batches(batch, micro_batch_size, max_tokens):
-            out[torch.tensor(rows, device=out.device)] = response_logprobs(model, batch.select(rows), temperature,
-                                                                           padding_free, sp)
-    finally:
-        model.train(was_training)
-    reshard(model)
-    return out
+    return _over_micro_batches(model, batch, micro_batch_size, max_tokens, out,
+                               lambda micro: response_logprobs(model, micro, temperature, padding_free, sp))
 
 
 def sequence_scores(model, batch: Batch, padding_free: bool = True) -> torch.Tensor:
     """A reward model's score of each whole sequence of a micro-batch [b]: its score head (a sequence-classification
     model's `score`) on the decoder's hidden state at the sequence's last token, as the model pools it itself."""
     inputs, _, _ = forward_inputs(model, batch, padding_free)
-    captured = []
-    hook = model.model.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
-    try:  # the model's own forward (FSDP2's hooks run); its pooling of a packed row is not used
-        model(**inputs, use_cache=False)
-    finally:
-        hook.remove()
+    states = decoder_states(model, inputs)  # the model's own pooling of a packed row is not used
     lengths = batch.sequence_lengths
     ends = to_device({"ends": [start + n - 1 for start, n in zip(sequence_starts(lengths, padding_free), lengths)]},
                      batch.input_ids.device)["ends"]
-    return model.score(captured[0].flatten(0, 1)[ends]).float()[:, 0]  # [b]
+    return model.score(states.flatten(0, 1)[ends]).float()[:, 0]  # [b]
 
 
 @torch.no_grad()
 def batched_scores(model, batch: Batch, micro_batch_size: int, max_tokens: int = 0,
                    padding_free: bool = True) -> torch.Tensor:
-    """sequence_scores over micro-batches (micro_batches) -> [B], in eval mode, the root resharded after
-    (batched_logprobs)."""
+    """sequence_scores over micro-batches (_over_micro_batches: eval mode, the root resharded after) -> [B]."""
     out = torch.zeros(len(batch), device=batch.input_ids.device)  # [B]
-    model.eval()
-    for rows in micro_batches(batch, micro_batch_size, max_tokens):
-        out[torch.tensor(rows, device=out.device)] = sequence_scores(model, batch.select(rows), padding_free)
-    reshard(model)
-    return out
+    return _over_micro_batches(model, batch, micro_batch_size, max_tokens, out,
+                               lambda micro: sequence_scores(model, micro, padding_free))
