@@ -74,24 +74,31 @@ def parse_quietly(parse: Callable, argv: list[str]):
 def run(main: Callable, *args, user_errors: tuple[type[Exception], ...] = ()) -> None:
     """main(*args), with user errors (USER_ERRORS and `user_errors`) reported as one line, once over all ranks, and
     exit code 1; a Ctrl-C as one line too (what on_interrupt registered: where the run stopped, how to resume), exit
-    code 130.
+    code 130 (exit_code).
 
     Every way out skips the interpreter's teardown (os._exit), a finished run's too, once its output is flushed:
     with the CPU stack's torch that teardown aborted a rank now and then after all work was done ("terminate called
     without an active exception": a C++ thread of the distributed stack destroyed while still joinable), failing
-    a finished job; the test workers that launch under torchrun leave the same way."""
+    a finished job; the test workers that launch under torchrun leave the same way. Not sys.exit either: the
+    teardown would run vLLM's and gloo's finalizers on a broken run."""
+    os._exit(exit_code(main, *args, user_errors=user_errors))
+
+
+def exit_code(main: Callable, *args, user_errors: tuple[type[Exception], ...] = ()) -> int:
+    """main(*args) and the code of how it ended: 0, 1 after a user error's line, 130 after a Ctrl-C's (run's
+    messages, printed and flushed); a bug's exception, and any error under GRPO_VERBOSE, propagate."""
     try:
         main(*args)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        return 0
     except KeyboardInterrupt:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM follows a Ctrl-C: let the line out first
         if env_verbose():
             raise
         if first_to_report("interrupted"):
             print("stopped (Ctrl-C)" + "".join(note() for note in INTERRUPT_NOTES), file=sys.stderr, flush=True)
-        os._exit(130)
+        return 130
     except USER_ERRORS + user_errors as error:
         if env_verbose() or (isinstance(error, SystemExit) and not isinstance(error.code, str)):
             raise  # a plain exit (tyro's --help, a parse error already printed) or a wanted traceback
@@ -103,7 +110,7 @@ def run(main: Callable, *args, user_errors: tuple[type[Exception], ...] = ()) ->
             with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
                 json.dump({"message": message, "timestamp": int(time.time())}, f)
         sys.stdout.flush()
-        os._exit(1)  # not sys.exit: interpreter teardown would run vLLM's and gloo's finalizers on a broken run
+        return 1
 
 
 INTERRUPT_NOTES: list[Callable[[], str]] = []  # what the line of a Ctrl-C adds (a run: where it stands)
