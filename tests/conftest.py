@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+from launches import DECLARED, Runs, kill_tree
+
 ROOT = Path(__file__).resolve().parent.parent
 # a short job: 8 prompts x 4 samples a step, one micro-batch of the 16 sequences each rank holds
 FAST = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
@@ -33,11 +35,18 @@ def free_port() -> int:
 
 def launch(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = ROOT, extra: list[str] = (),
            env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc_per_node nproc ARGS` as a user would and return what happened, exit code and output."""
+    """Run `torchrun --nproc_per_node nproc ARGS` as a user would and return what happened, exit code and output.
+    Past `timeout`, or when the test's own time limit interrupts it, the whole job is killed, workers included."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *extra, *args]
-    return subprocess.run(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+    job = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = job.communicate(timeout=timeout)
+    except BaseException:
+        kill_tree(job)
+        raise
+    return subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = ROOT, extra: list[str] = ()):
@@ -46,6 +55,28 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = RO
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(proc.args)} exited {proc.returncode}:\n{output[-6000:]}"
     return output
+
+
+# Every test's time limit (pytest-timeout), so that a hang fails naming its test: a minute for the fast tier; for
+# a test that launches processes its own launches' limits (each `timeout=`) below TORCHRUN_LIMIT; for the first
+# test that reads declared runs, the runs' own limits added up (launches.py kills a run past its own). A test
+# may set its own with @pytest.mark.timeout.
+FAST_LIMIT, TORCHRUN_LIMIT = 60, 900
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            names = {n for mark in item.iter_markers("runs") for n in mark.args}
+            limit = (sum(run.limit for run in DECLARED.values()) + TORCHRUN_LIMIT if names
+                     else TORCHRUN_LIMIT if item.get_closest_marker("slow") else FAST_LIMIT)
+            item.add_marker(pytest.mark.timeout(limit))
+
+
+@pytest.fixture(scope="session")
+def runs(request, tmp_path_factory) -> Runs:
+    """The runs the tests declared with launches.launched_run, by name; launched together on first use."""
+    return Runs(request.session, tmp_path_factory.mktemp("runs"))
 
 
 @pytest.fixture(scope="module")
