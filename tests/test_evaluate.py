@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from conftest import FAST, launch, torchrun
+from conftest import FAST
+from launches import Part, launched_run, uses_runs
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -19,16 +20,23 @@ def evaluation(run_dir, step: int) -> tuple[list[dict], dict]:
                                                                                        .read_text())
 
 
-def test_val_only_evaluates_the_latest_checkpoint_and_touches_nothing_else(tmp_path):
+@launched_run()
+def evaluated_checkpoint(folder):
+    """2 steps with a checkpoint, then --trainer.val-only of the same run."""
+    run = ["--trainer.output-dir", folder, "--trainer.experiment-name", "run", *FAST]
+    return [[*run, "--trainer.total-steps", "2", "--trainer.save-freq", "2", *STEPS],
+            [*run, "--trainer.total-steps", "2", "--trainer.val-only", "--rollout.val-n", "4"]]
+
+
+@uses_runs("evaluated_checkpoint")
+def test_val_only_evaluates_the_latest_checkpoint_and_touches_nothing_else(runs):
     """2 steps with a checkpoint, then --trainer.val-only on 2 ranks: the checkpoint's weights (step 2) give 4 samples
     of each of the 50 test prompts, all in eval/ with their scores, and pass@1/2/4 of every reward key with
     intervals; the checkpoints, metrics.jsonl and config.json are as the training left them."""
-    run = ["grpo.py", "--trainer.output-dir", str(tmp_path), "--trainer.experiment-name", "run", *FAST]
-    torchrun([*run, "--trainer.total-steps", "2", "--trainer.save-freq", "2", *STEPS])
-    run_dir = tmp_path / "run"
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    output = torchrun([*run, "--trainer.total-steps", "2", "--trainer.val-only", "--rollout.val-n", "4"])
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and "eval" not in p.parts} == before
+    launched = runs["evaluated_checkpoint"]
+    run_dir, output = launched.folder / "run", launched.output(1)
+    trained, evaluated = launched.files(0), launched.files(1)
+    assert {p: d for p, d in evaluated.items() if not p.startswith("run/eval/")} == trained
     samples, record = evaluation(run_dir, 2)
     assert len(samples) == 50 * 4 and all(set(s) == {"prompt", "response", "ground_truth", "score"} for s in samples)
     assert sorted({s["prompt"] for s in samples}) == sorted({s["prompt"] for s in samples[::4]})  # 50 prompts
@@ -43,19 +51,29 @@ def test_val_only_evaluates_the_latest_checkpoint_and_touches_nothing_else(tmp_p
     assert "evaluated" in output and "step_000002" in output
 
 
-def test_val_only_of_a_model_as_given_on_one_rank_with_the_hf_engine(tmp_path):
+@launched_run(nproc=1)
+def evaluated_model(folder):
+    return ["--trainer.output-dir", folder, "--trainer.experiment-name", "model", "--trainer.val-only",
+            "--rollout.engine", "hf", "--rollout.val-n", "2"]
+
+
+@uses_runs("evaluated_model")
+def test_val_only_of_a_model_as_given_on_one_rank_with_the_hf_engine(runs):
     """No checkpoint in the run folder: the model itself is evaluated (step 0), on one rank, with the hf engine; no
     config.json or metrics are written, only eval/."""
-    torchrun(["grpo.py", "--trainer.output-dir", str(tmp_path), "--trainer.experiment-name", "model",
-              "--trainer.val-only", "--rollout.engine", "hf", "--rollout.val-n", "2"], nproc=1)
-    samples, record = evaluation(tmp_path / "model", 0)
+    folder = runs["evaluated_model"].folder
+    samples, record = evaluation(folder / "model", 0)
     assert len(samples) == 50 * 2 and record["checkpoint"] == "" and record["model"] == "tiny:qwen2"
-    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["eval"]
+    assert sorted(p.name for p in (folder / "model").iterdir()) == ["eval"]
 
 
-def test_val_only_without_validation_data_says_which_flag(tmp_path):
+@launched_run(nproc=1)
+def evaluated_without_data(folder):
+    return Part(["--trainer.output-dir", folder, "--trainer.val-only", "--data.val-files", ""])
+
+
+@uses_runs("evaluated_without_data")
+def test_val_only_without_validation_data_says_which_flag(runs):
     """--data.val-files '' leaves nothing to evaluate: refused, naming the flag."""
-    proc = launch(["grpo.py", "--trainer.output-dir", str(tmp_path), "--trainer.val-only", "--data.val-files", ""],
-                  nproc=1)
-    assert proc.returncode != 0 and "--trainer.val-only: no validation data" in proc.stderr
-    assert "--data.val-files" in proc.stderr
+    output = runs["evaluated_without_data"].output()
+    assert "--trainer.val-only: no validation data" in output and "--data.val-files" in output

@@ -3,8 +3,10 @@ entry point, ends in one `error:` line naming the flag, file, row or sample (or 
 with every file that existed before still there, byte for byte.
 
 Ranks matter where a fault is found during training (a reward, a full disk, Ctrl-C, a resume): those run under
-`torchrun --nproc_per_node 2`; faults found at start-up by every rank alike run as one process (`python grpo.py`),
-which is what a start-up check sees on any number of ranks. Training runs use the hf engine: no vLLM warm-up.
+`torchrun --nproc_per_node 2`; faults found at start-up by every rank alike run on one rank, which is what a
+start-up check sees on any number of ranks. Runs that differ only in their flags share a launch (tests/launches.py:
+grpo.py's main and its console's exit codes, part after part); the console as torchrun shows it is test_console.py's.
+Training runs use the hf engine: no vLLM warm-up.
 """
 
 import json
@@ -13,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import huggingface_hub
@@ -24,6 +27,7 @@ from test_console import our_tracebacks
 import grpo
 import scripts.merge as merge
 from conftest import ROOT, free_port, launch
+from launches import Part, Run, launched_run, uses_runs
 from fsdp_utils import check_model_source
 from plumbing.tiny import build_tiny_model
 
@@ -45,13 +49,23 @@ def assert_kept(before: dict[str, bytes], folder: Path) -> None:
 def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     """The single `error:` line of a failed launch (torchrun repeats it in its banner as "message"), which must hold
     every fragment; no traceback of this project's files."""
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output[-3000:]
+    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
+    return the_error_line(proc.stdout + proc.stderr, *fragments)
+
+
+def the_error_line(output: str, *fragments: str) -> str:
+    """The single `error:` line of a failed launch's output, holding every fragment, and no traceback of ours."""
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, output[-6000:]
     assert all(fragment in errors[0] for fragment in fragments), errors[0]
     assert not our_tracebacks(output), output[-6000:]
     return errors[0]
+
+
+def assert_kept_by(run: Run, part: int) -> None:
+    """Every file that was in the run's folder before the part is there after it, byte for byte."""
+    before, after = run.files(part, before=True), run.files(part)
+    assert not [name for name in before if after.get(name) != before[name]], "changed or deleted"
 
 
 def grpo_alone(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -71,23 +85,27 @@ def questions(folder: Path, count: int = 16) -> Path:
 # ---------------------------------------------------------------- a run on the user's own data, and what follows
 
 
-@pytest.fixture(scope="module")
-def user_run(tmp_path_factory):
+@launched_run()
+def user_data(folder):
     """Two steps on a user's JSON Lines file, no preset, no experiment name, no micro-batch size (the per-rank
-    mini-batch of 16 sequences is smaller than the default 64): a checkpoint at step 2 and the final folder."""
-    folder = tmp_path_factory.mktemp("user")
-    data = questions(folder)
-    args = ["grpo.py", "--data.train-files", str(data), "--trainer.output-dir", str(folder / "runs"),
-            "--trainer.total-steps", "2", "--trainer.save-freq", "2", *SMALL]
-    proc = launch(args)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return folder, args, proc.stdout + proc.stderr
+    mini-batch of 16 sequences is smaller than the default 64): a checkpoint at step 2 and the final folder; then the
+    same command again; then another model in the same run folder."""
+    args = ["--data.train-files", questions(folder), "--trainer.output-dir", folder / "runs", "--trainer.total-steps",
+            "2", "--trainer.save-freq", "2", *SMALL]
+    return [args, args, Part([*args, "--actor.model-path", "tiny:llama", "--trainer.experiment-name",
+                              "tiny-qwen2_questions", "--trainer.total-steps", "3"])]
 
 
+@pytest.fixture
+def user_run(runs) -> Path:
+    """The run folder of `user_data`."""
+    return runs["user_data"].folder / "runs" / "tiny-qwen2_questions"
+
+
+@uses_runs("user_data")
 @pytest.mark.slow
-def test_a_run_on_user_data_has_its_own_folder_and_no_borrowed_validation(user_run):
-    folder, _, output = user_run
-    run = folder / "runs" / "tiny-qwen2_questions"  # <model>_<data> without a preset
+def test_a_run_on_user_data_has_its_own_folder_and_no_borrowed_validation(runs, user_run):
+    output, run = runs["user_data"].output(), user_run  # <model>_<data> without a preset
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert not any(key.startswith("val/") for m in metrics for key in m)  # not the built-in task's score
@@ -96,29 +114,28 @@ def test_a_run_on_user_data_has_its_own_folder_and_no_borrowed_validation(user_r
     assert (run / "final" / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable like the other files
 
 
+@uses_runs("user_data")
 @pytest.mark.slow
-def test_launching_a_finished_run_again_changes_nothing(user_run):
-    folder, args, _ = user_run
-    before = snapshot(folder)
-    proc = launch(args)
-    assert proc.returncode == 0 and "nothing to train" in proc.stdout
-    assert snapshot(folder) == before  # config.json included: a launch that trains nothing records nothing
+def test_launching_a_finished_run_again_changes_nothing(runs):
+    run = runs["user_data"]
+    assert "nothing to train" in run.output(1)
+    assert run.files(1) == run.files(1, before=True)  # config.json included: a launch that trains nothing records
+    # nothing
 
 
+@uses_runs("user_data")
 @pytest.mark.slow
-def test_another_model_is_refused_in_a_run_folder_naming_both(user_run):
-    folder, args, _ = user_run
-    before = snapshot(folder)
-    proc = launch([*args, "--actor.model-path", "tiny:llama", "--trainer.experiment-name", "tiny-qwen2_questions",
-                   "--trainer.total-steps", "3"])
-    one_error_line(proc, "a checkpoint of model tiny:qwen2 on data", "trains model tiny:llama on data",
+def test_another_model_is_refused_in_a_run_folder_naming_both(runs):
+    run = runs["user_data"]
+    the_error_line(run.output(2), "a checkpoint of model tiny:qwen2 on data", "trains model tiny:llama on data",
                    "choose another --trainer.experiment-name")
-    assert_kept(before, folder)
+    assert_kept_by(run, 2)
 
 
+@uses_runs("user_data")
 @pytest.mark.slow
 def test_the_merger_never_writes_over_files_it_did_not_write(user_run, tmp_path):
-    run = user_run[0] / "runs" / "tiny-qwen2_questions"
+    run = user_run
     before = snapshot(run)
     proc = subprocess.run([sys.executable, "-m", "scripts.merge", str(run), str(run)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)  # OUT = the run folder: its checkpoints and metrics stay
@@ -133,9 +150,10 @@ def test_the_merger_never_writes_over_files_it_did_not_write(user_run, tmp_path)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "my notes"
 
 
+@uses_runs("user_data")
 @pytest.mark.slow
 def test_the_merger_replaces_its_own_output_only_when_asked(user_run, tmp_path):
-    run, out = user_run[0] / "runs" / "tiny-qwen2_questions", tmp_path / "merged"
+    run, out = user_run, tmp_path / "merged"
 
     def merge_into(*flags):
         return subprocess.run([sys.executable, "-m", "scripts.merge", str(run), str(out), *flags], cwd=ROOT,
@@ -299,35 +317,60 @@ def test_ctrl_c_stops_with_one_line_saying_what_resumes(tmp_path):
 # ---------------------------------------------------------------- start-up: model, flags, data
 
 
+@launched_run(nproc=1)
+def impossible_flags(folder):
+    return Part(["--trainer.total-steps", "0", "--actor.lr", "-1", "--trainer.save-freq", "-1",
+                 "--rollout.max-response-length", "0", "--rollout.temperature", "0", "--data.max-frames", "1",
+                 "--data.video-fps", "0", "--trainer.output-dir", folder])
+
+
+@uses_runs("impossible_flags")
 @pytest.mark.slow
-def test_impossible_flags_are_named_before_anything_loads(tmp_path):
-    proc = grpo_alone(["--trainer.total-steps", "0", "--actor.lr", "-1", "--trainer.save-freq", "-1",
-                       "--rollout.max-response-length", "0", "--rollout.temperature", "0", "--data.max-frames", "1",
-                       "--data.video-fps", "0", "--trainer.output-dir", str(tmp_path)])
-    assert proc.returncode == 1 and proc.stderr.count("error: invalid configuration") == 1
+def test_impossible_flags_are_named_before_anything_loads(runs):
+    output = runs["impossible_flags"].output()
+    assert output.count("error: invalid configuration") == 1
     for flag in ("--trainer.total-steps 0 must be at least 1", "--actor.lr -1.0 must be at least 0",
                  "--trainer.save-freq -1", "--rollout.max-response-length 0",
                  "--rollout.temperature 0.0 must be above 0", "--data.max-frames 1 must be at least 2",
                  "--data.video-fps 0.0 must be above 0"):
-        assert flag in proc.stderr, proc.stderr
-    assert not list(tmp_path.iterdir())  # nothing written, no model built
+        assert flag in output, output
+    assert not runs["impossible_flags"].files()  # nothing written, no model built
 
 
-@pytest.mark.parametrize("model, message", [
-    ("/no/such/model", "no such folder, and not a hub id"),
-    ("EMPTY", "the folder has no config.json"),
-    ("someone/unreachable-model",
-     "cannot be reached from this machine (ConnectError) nor is in its Hugging Face cache"),
-])
+UNLOADABLE = {"missing": ("/no/such/model", "no such folder, and not a hub id"),
+              "empty": ("EMPTY", "the folder has no config.json")}
+
+
+def unloadable(model: str, folder: Path) -> Part:
+    return Part(["--actor.model-path", folder if model == "EMPTY" else model, "--trainer.output-dir", folder / "runs"])
+
+
+for _name, (_model, _) in UNLOADABLE.items():
+    launched_run(nproc=1, name=f"unloadable_{_name}")(partial(unloadable, _model))
+
+
+@pytest.mark.parametrize("case", UNLOADABLE)
+@uses_runs(*(f"unloadable_{name}" for name in UNLOADABLE))
 @pytest.mark.slow
-def test_a_model_that_cannot_load_is_one_line(tmp_path, model, message):
-    if model == "EMPTY":
-        model = str(tmp_path)
+def test_a_model_that_cannot_load_is_one_line(runs, case):
+    run = runs[f"unloadable_{case}"]
+    model, message = UNLOADABLE[case]
+    model = str(run.folder) if model == "EMPTY" else model
+    assert run.output().startswith(f"error: --actor.model-path {model}: "), run.output()[-3000:]
+    the_error_line(run.output(), message)
+
+
+@pytest.mark.slow
+def test_an_unreachable_hub_model_is_one_line_before_anything_else(tmp_path):
+    """A process of its own (the hub's address is read when huggingface_hub is imported), which prints nothing
+    before its one line: no library's chatter at start-up either."""
+    model = "someone/unreachable-model"
     # a hub that refuses at once: offline as this machine is, without depending on what CI's network allows
     proc = grpo_alone(["--actor.model-path", model, "--trainer.output-dir", str(tmp_path / "runs")],
                       env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")})
     assert proc.stderr.startswith(f"error: --actor.model-path {model}: "), proc.stderr[-3000:]
-    assert message in proc.stderr and proc.returncode == 1 and not our_tracebacks(proc.stderr)
+    assert "cannot be reached from this machine (ConnectError) nor is in its Hugging Face cache" in proc.stderr
+    assert proc.returncode == 1 and not our_tracebacks(proc.stderr)
 
 
 def test_a_hub_model_in_the_cache_loads_offline_without_retries(tmp_path, monkeypatch):
@@ -374,12 +417,16 @@ def test_a_model_that_transforms_its_logits_in_its_head_is_refused(tmp_path, set
     check_model_source(str(tmp_path / "gemma"), str(tmp_path / "gemma"), longest_sequence=64)
 
 
+@launched_run(nproc=1)
+def context_too_short(folder):
+    return Part(["--rollout.max-response-length", "2000", "--trainer.output-dir", folder])
+
+
+@uses_runs("context_too_short")
 @pytest.mark.slow
-def test_a_context_shorter_than_prompt_and_response_is_named(tmp_path):
-    proc = grpo_alone(["--rollout.max-response-length", "2000", "--trainer.output-dir", str(tmp_path)])
-    assert proc.returncode == 1 and not our_tracebacks(proc.stderr)
-    assert ("error: --data.max-prompt-length + --rollout.max-response-length = 2256 tokens exceed the context of "
-            "tiny:qwen2 (1024 tokens" in proc.stderr), proc.stderr
+def test_a_context_shorter_than_prompt_and_response_is_named(runs):
+    the_error_line(runs["context_too_short"].output(), "error: --data.max-prompt-length + --rollout.max-response-length"
+                   " = 2256 tokens exceed the context of tiny:qwen2 (1024 tokens")
 
 
 def data_file(folder: Path, case: str) -> Path:
@@ -409,35 +456,48 @@ def data_file(folder: Path, case: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case, model, fragments", [
-    ("not utf-8", "tiny:qwen2", ["data.jsonl is not UTF-8 text: byte 0xe9 at offset", "(line 9)"]),
-    ("empty", "tiny:qwen2", ["data.jsonl is empty"]),
-    ("not json", "tiny:qwen2", ["data.jsonl, line 2: not JSON"]),
-    ("no rows", "tiny:qwen2", ["data.parquet has no rows"]),
-    ("control tokens", "tiny:qwen2", ["row 8: the prompt holds '<|im_end|>', a control token",
+FAULTY_DATA = {
+    "not utf-8": ("tiny:qwen2", ["data.jsonl is not UTF-8 text: byte 0xe9 at offset", "(line 9)"]),
+    "empty": ("tiny:qwen2", ["data.jsonl is empty"]),
+    "not json": ("tiny:qwen2", ["data.jsonl, line 2: not JSON"]),
+    "no rows": ("tiny:qwen2", ["data.parquet has no rows"]),
+    "control tokens": ("tiny:qwen2", ["row 8: the prompt holds '<|im_end|>', a control token",
                                       "--data.allow-special-tokens"]),
-    ("images as a string", "tiny:qwen2_5_vl", ["row 0: column 'images' must hold a list of images, got a str"]),
-    ("image placeholder", "tiny:qwen2_5_vl", ["row 0: the prompt holds '<|image_pad|>'", "put `<image>` where"]),
-    ("thin image", "tiny:qwen2_5_vl", ["row 0, image 0 (file 'a.png')", "aspect ratio"]),
-])
-@pytest.mark.slow
-def test_a_faulty_dataset_is_one_line_naming_file_and_row(tmp_path, case, model, fragments):
-    path = data_file(tmp_path, case)
-    before = snapshot(tmp_path)
-    proc = grpo_alone(["--actor.model-path", model, "--data.train-files", str(path), "--data.image-dir", str(tmp_path),
-                       "--trainer.output-dir", str(tmp_path / "runs")])
-    assert proc.stderr.count("error: ") == 1 and proc.returncode == 1, proc.stderr[-3000:]
-    assert all(fragment in proc.stderr for fragment in fragments), proc.stderr[-3000:]
-    assert not our_tracebacks(proc.stderr)
-    assert_kept(before, tmp_path)
+    "images as a string": ("tiny:qwen2_5_vl", ["row 0: column 'images' must hold a list of images, got a str"]),
+    "image placeholder": ("tiny:qwen2_5_vl", ["row 0: the prompt holds '<|image_pad|>'", "put `<image>` where"]),
+    "thin image": ("tiny:qwen2_5_vl", ["row 0, image 0 (file 'a.png')", "aspect ratio"]),
+}
 
 
+def faulty_data(case: str, folder: Path) -> Part:
+    return Part(["--actor.model-path", FAULTY_DATA[case][0], "--data.train-files", data_file(folder, case),
+                 "--data.image-dir", folder, "--trainer.output-dir", folder / "runs"])
+
+
+for _case in FAULTY_DATA:
+    launched_run(nproc=1, name=f"faulty_data_{_case.replace(' ', '_')}")(partial(faulty_data, _case))
+
+
+@pytest.mark.parametrize("case", FAULTY_DATA)
+@uses_runs(*(f"faulty_data_{case.replace(' ', '_')}" for case in FAULTY_DATA))
 @pytest.mark.slow
-def test_control_tokens_are_kept_when_the_dataset_means_them(tmp_path):
-    path = data_file(tmp_path, "control tokens")
-    proc = launch(["grpo.py", "--data.train-files", str(path), "--data.allow-special-tokens", "--trainer.total-steps",
-                   "1", "--trainer.output-dir", str(tmp_path / "runs"), *SMALL])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_a_faulty_dataset_is_one_line_naming_file_and_row(runs, case):
+    run = runs[f"faulty_data_{case.replace(' ', '_')}"]
+    assert run.output().count("error: ") == 1
+    the_error_line(run.output(), *FAULTY_DATA[case][1])
+    assert_kept_by(run, 0)
+
+
+@launched_run()
+def control_tokens_meant(folder):
+    return ["--data.train-files", data_file(folder, "control tokens"), "--data.allow-special-tokens",
+            "--trainer.total-steps", "1", "--trainer.output-dir", folder / "runs", *SMALL]
+
+
+@uses_runs("control_tokens_meant")
+@pytest.mark.slow
+def test_control_tokens_are_kept_when_the_dataset_means_them(runs):
+    assert (runs["control_tokens_meant"].folder / "runs" / "tiny-qwen2_data" / "metrics.jsonl").exists()
 
 
 # ---------------------------------------------------------------- names and help

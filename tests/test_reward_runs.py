@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, ROOT, free_port, torchrun
+from launches import launched_run, uses_runs
 from plumbing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow  # every test here launches processes
@@ -42,51 +43,73 @@ def fails_on_x(inp):
 '''
 
 
-def run(tmp_path: Path, name: str, *flags: str) -> list[dict]:
-    (tmp_path / "rewards.py").write_text(ASYNC_LOWERCASE)
-    torchrun(["grpo.py", "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
-              "--trainer.experiment-name", name, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
-              "--trainer.no-save-final", *FAST, *flags], timeout=600)
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+def two_steps(folder: Path, *flags) -> list:
+    """2 steps of the default job with the reward functions above in folder/rewards.py."""
+    (folder / "rewards.py").write_text(ASYNC_LOWERCASE)
+    return ["--trainer.total-steps", "2", "--trainer.output-dir", folder, "--trainer.experiment-name", "run",
+            "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final", *FAST, *flags]
 
 
-def test_an_async_reward_and_a_reward_model_weighted_together(tmp_path):
+@launched_run()
+def reward_model_beside_async(folder):
+    return two_steps(folder, "--reward.function", f"{folder}/rewards.py:lowercase", "--reward.model", "tiny:qwen2_rm",
+                     "--reward.weights", "overall", "1", "model", "0.5")
+
+
+@uses_runs("reward_model_beside_async")
+def test_an_async_reward_and_a_reward_model_weighted_together(runs):
     """overall = 1 x the async function's share of lowercase + 0.5 x the tiny reward model's score of the whole
     sequence: every sample's parts logged, the overall their weighted sum, a policy gradient from it."""
-    metrics = run(tmp_path, "rm", "--reward.function", f"{tmp_path}/rewards.py:lowercase", "--reward.model",
-                  "tiny:qwen2_rm", "--reward.weights", "overall", "1", "model", "0.5")
-    for m in metrics:
+    for m in runs["reward_model_beside_async"].metrics("run"):
         assert m["train/reward_overall"] == pytest.approx(m["train/reward_function"] + 0.5 * m["train/reward_model"])
         assert m["train/reward_model_std"] > 0 and m["actor/pg_loss"] != 0 and "timing/reward" in m
 
 
-def test_a_batch_reward_scores_a_ranks_samples_in_one_call(tmp_path):
+@launched_run()
+def batch_reward(folder):
+    return two_steps(folder, "--reward.function", f"{folder}/rewards.py:lowercase_batch", "--reward.batch",
+                     "--rollout.engine", "hf")
+
+
+@uses_runs("batch_reward")
+def test_a_batch_reward_scores_a_ranks_samples_in_one_call(runs):
     """8 prompts x 4 samples over 2 ranks: each rank's 16 samples in one call."""
-    metrics = run(tmp_path, "batch", "--reward.function", f"{tmp_path}/rewards.py:lowercase_batch", "--reward.batch",
-                  "--rollout.engine", "hf")
+    metrics = runs["batch_reward"].metrics("run")
     assert all(m["train/reward_batch"] == 16 and m["train/reward_overall_std"] > 0 for m in metrics), metrics
     assert all(m["actor/pg_loss"] != 0 for m in metrics)
 
 
-def test_code_runs_in_the_sandbox(tmp_path):
+@launched_run()
+def sandboxed_code(folder):
+    data = folder / "code.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"write any program {i}", "answer": json.dumps(
+        {"asserts": ["assert True"]})}) + "\n" for i in range(16)))
+    return two_steps(folder, "--data.train-files", data, "--data.val-files", "", "--reward.function", "code",
+                     "--rollout.engine", "hf", "--rollout.max-response-length", "1")
+
+
+@uses_runs("sandboxed_code")
+def test_code_runs_in_the_sandbox(runs):
     """`--reward.function code` on a task whose test holds for any program that runs, answered in one token: a
     random model's digits and end tokens are programs that run, its letters fail (NameError), so the reward varies
     and trains the policy."""
-    data = tmp_path / "code.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"write any program {i}", "answer": json.dumps(
-        {"asserts": ["assert True"]})}) + "\n" for i in range(16)))
-    metrics = run(tmp_path, "code", "--data.train-files", str(data), "--data.val-files", "", "--reward.function",
-                  "code", "--rollout.engine", "hf", "--rollout.max-response-length", "1")
+    metrics = runs["sandboxed_code"].metrics("run")
     # one token a response: the policy loss averages to 0 over a group's advantages, its gradient does not
     assert all(0 < m["train/reward_overall"] < 1 and m["train/reward_overall_std"] > 0 for m in metrics), metrics
     assert metrics[0]["actor/grad_norm"] > 0  # step 1: no KL yet, the gradient is the policy's
 
 
-def test_skip_group_leaves_out_the_groups_of_failed_samples_and_draws_more(tmp_path):
+@launched_run()
+def skipped_groups(folder):
+    return two_steps(folder, "--reward.function", f"{folder}/rewards.py:fails_on_x", "--reward.on-error",
+                     "skip-group", "--rollout.n", "16", "--rollout.max-response-length", "8", "--rollout.engine", "hf")
+
+
+@uses_runs("skipped_groups")
+def test_skip_group_leaves_out_the_groups_of_failed_samples_and_draws_more(runs):
     """A reward that raises on some responses: with --reward.on-error skip-group their groups are left out and more
     prompts drawn until every rank holds its share (as dynamic sampling does); counted in rollout/skipped_groups."""
-    metrics = run(tmp_path, "skip", "--reward.function", f"{tmp_path}/rewards.py:fails_on_x", "--reward.on-error",
-                  "skip-group", "--rollout.n", "16", "--rollout.max-response-length", "8", "--rollout.engine", "hf")
+    metrics = runs["skipped_groups"].metrics("run")
     assert sum(m["rollout/skipped_groups"] for m in metrics) > 0
     assert all(m["train/reward_failed"] == 0 and m["rollout/sampling_rounds"] >= 1 for m in metrics)
     assert any(m["rollout/sampling_rounds"] > 1 and m["rollout/kept_groups_ratio"] < 1 for m in metrics)

@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import grpo
 from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, free_port, torchrun, write_mixed_rows
+from launches import Part, launched_run, uses_runs
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -24,15 +26,21 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [line for line in lines if line["step"] > 0]
 
 
+@launched_run()
+def end_to_end(folder):
+    return ["--trainer.total-steps", "3", "--trainer.output-dir", folder, "--trainer.experiment-name", "e2e",
+            "--trainer.val-freq", "2", "--rollout.val-n", "4", *FAST, *SIGNAL, "--trainer.global-batch-size", "4",
+            "--trainer.ppo-epochs", "2", "--actor.weight-decay", "0", "--trainer.save-model-only", "--trainer.logger",
+            "console", "jsonl", "tensorboard"]
+
+
+@uses_runs("end_to_end")
 @pytest.mark.slow
-def test_three_steps_end_to_end(tmp_path):
+def test_three_steps_end_to_end(runs):
     """2 PPO epochs x 2 mini-batches of 4 prompts: 4 optimizer steps per training step; a reward the random model
     earns and no weight decay, so the policy gradient is what moves the weights; model-only checkpoints."""
-    torchrun(["grpo.py", "--trainer.total-steps", "3", "--trainer.output-dir", str(tmp_path),
-              "--trainer.experiment-name", "e2e", "--trainer.val-freq", "2", "--rollout.val-n", "4", *FAST, *SIGNAL,
-              "--trainer.global-batch-size", "4", "--trainer.ppo-epochs", "2", "--actor.weight-decay", "0",
-              "--trainer.save-model-only", "--trainer.logger", "console", "jsonl", "tensorboard"])
-    run_dir = tmp_path / "e2e"
+    folder = runs["end_to_end"].folder
+    run_dir = folder / "e2e"
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["actor/optimizer_steps"] == 4 for m in metrics)
@@ -59,7 +67,7 @@ def test_three_steps_end_to_end(tmp_path):
         (m["step"], pytest.approx(m["train/reward_overall"])) for m in metrics]
     assert [e.step for e in events.Scalars("val/reward_overall")] == [0, 2, 3]
     # the saved model is a loadable HF folder whose weights moved away from the initial ones
-    initial = load_file(tmp_path / "models" / "tiny-qwen2" / "model.safetensors")
+    initial = load_file(folder / "models" / "tiny-qwen2" / "model.safetensors")
     final = load_file(run_dir / "final" / "model.safetensors")
     assert initial.keys() == final.keys()
     assert any(not torch.equal(initial[k], final[k]) for k in initial)
@@ -71,67 +79,94 @@ def test_three_steps_end_to_end(tmp_path):
     assert any(key.startswith("model.") for key in saved) and not any(key.startswith("optimizer.") for key in saved)
 
 
-@pytest.mark.slow
-def test_bf16_weights_train_and_resume(tmp_path):
-    """--actor.dtype bfloat16 end to end (hf engine: the trainer's own bf16 model samples): 2 steps, a resumed third,
-    the final folder in bf16."""
-    args = ["grpo.py", "--actor.dtype", "bfloat16", "--trainer.output-dir", str(tmp_path), "--trainer.save-freq", "2",
+@launched_run()
+def bf16_resumed(folder):
+    """2 steps, then a launch that resumes and trains a third, validating on one prompt."""
+    args = ["--actor.dtype", "bfloat16", "--trainer.output-dir", folder, "--trainer.save-freq", "2",
             "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--rollout.engine", "hf", *FAST, *SIGNAL]
-    torchrun([*args, "--trainer.total-steps", "2"])
-    # the resumed launch validates on one prompt: rank 1 holds none, and reduces the same metrics (no hang)
-    one = tmp_path / "one.jsonl"
+    one = folder / "one.jsonl"
     one.write_text(json.dumps({"problem": "3337777", "answer": "7"}) + "\n")
-    output = torchrun([*args, "--trainer.total-steps", "3", "--data.val-files", str(one), "--rollout.val-n", "4",
-                       "--trainer.val-freq", "1", "--trainer.dist-timeout-minutes", "1"])
+    return [[*args, "--trainer.total-steps", "2"],
+            [*args, "--trainer.total-steps", "3", "--data.val-files", one, "--rollout.val-n", "4",
+             "--trainer.val-freq", "1", "--trainer.dist-timeout-minutes", "1"]]
+
+
+@uses_runs("bf16_resumed")
+@pytest.mark.slow
+def test_bf16_weights_train_and_resume(runs):
+    """--actor.dtype bfloat16 end to end (hf engine: the trainer's own bf16 model samples): 2 steps, a resumed third,
+    the final folder in bf16. The resumed launch validates on one prompt: rank 1 holds none, and reduces the same
+    metrics (no hang)."""
+    run = runs["bf16_resumed"]
+    output = run.output(1)
     assert "resumed from" in output and "step_000002" in output
-    metrics = read_metrics(tmp_path / "tiny-qwen2_toy")
+    metrics = read_metrics(run.folder / "tiny-qwen2_toy")
     assert "val/pass@4/accuracy" in metrics[-1] and "val/pass@8/accuracy" not in metrics[-1]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(math.isfinite(v) for m in metrics for v in m.values())
     assert all(m["actor/pg_loss"] != 0 for m in metrics)
-    final = load_file(tmp_path / "tiny-qwen2_toy" / "final" / "model.safetensors")
+    final = load_file(run.folder / "tiny-qwen2_toy" / "final" / "model.safetensors")
     assert {t.dtype for t in final.values()} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize("architecture, batching", [("qwen3", ["--actor.max-tokens-per-micro-batch", "300"]),
-                                                    ("llama", ["--actor.no-padding-free"])])
+TEXT_ARCHITECTURES = {"qwen3": ["--actor.max-tokens-per-micro-batch", "300"], "llama": ["--actor.no-padding-free"]}
+
+
+def text_architecture(architecture: str, folder: Path) -> list[str]:
+    return ["--actor.model-path", f"tiny:{architecture}", "--trainer.total-steps", "2", "--trainer.output-dir", folder,
+            "--trainer.experiment-name", architecture, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+            *FAST, *SIGNAL, *TEXT_ARCHITECTURES[architecture]]
+
+
+for _name in TEXT_ARCHITECTURES:
+    launched_run(name=f"architecture_{_name}")(partial(text_architecture, _name))
+
+
+@pytest.mark.parametrize("architecture", TEXT_ARCHITECTURES)
+@uses_runs(*(f"architecture_{a}" for a in TEXT_ARCHITECTURES))
 @pytest.mark.slow
-def test_text_architectures_train(tmp_path, architecture, batching):
+def test_text_architectures_train(runs, architecture):
     """Each text architecture, one with token-budget micro-batches, one padded instead of packed; the engine
     agrees with the trainer after every sync."""
-    output = torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--trainer.total-steps", "2",
-                       "--trainer.output-dir", str(tmp_path), "--trainer.experiment-name", architecture,
-                       "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.verbose", *FAST, *SIGNAL,
-                       *batching])
-    assert "Failed to load weights" in output  # --trainer.verbose shows vLLM's (expected) per-sync warnings
-    metrics = read_metrics(tmp_path / architecture)
+    metrics = read_metrics(runs[f"architecture_{architecture}"].folder / architecture)
     assert len(metrics) == 2
     assert all(m["rollout/logprob_diff_max"] < ENGINE_GAP and m["actor/pg_loss"] != 0 for m in metrics)
 
 
-@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def mixed_rows(architecture: str, folder: Path) -> list[str]:
+    data, val = write_mixed_rows(folder)
+    freeze = ["--actor.freeze-vision-tower"] if architecture == "qwen2_vl" else []
+    # the R1-V recipe of the CLEVR and GeoQA presets, wired end to end: its template keeps the <image> placeholders
+    r1v = (["--reward.function", "r1v", "--data.format-prompt", "templates/r1v.jinja",
+            "--data.max-prompt-length", "1024"] if architecture == "qwen3_vl" else [])
+    return ["--actor.model-path", f"tiny:{architecture}", "--data.train-files", data, "--data.val-files", val,
+            "--data.image-dir", folder, "--data.no-shuffle", "--data.video-fps", "4", "--trainer.total-steps", "2",
+            "--trainer.output-dir", folder, "--trainer.dist-timeout-minutes", "2", *FAST, *freeze, *r1v]
+
+
+VISION = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+for _name in VISION:
+    launched_run(name=f"mixed_rows_{_name}")(partial(mixed_rows, _name))
+
+
+@pytest.mark.parametrize("architecture", VISION)
+@uses_runs(*(f"mixed_rows_{a}" for a in VISION))
 @pytest.mark.slow
-def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, architecture):
+def test_vision_language_models_train_on_mixed_rows_without_hanging(runs, architecture):
     """Video rows (a file of 8 frames, one of 4), image rows (one or two images, two sizes), rows with an image and a
     video, and text rows in one dataset, in order: in step 1 rank 0 holds video and image rows and rank 1 only text
     rows, in step 2 rank 0 image and text rows and rank 1 video rows, so a rank must run the vision tower on a blank
     image or video whenever another runs it on a real one, or the FSDP collectives of the two ranks no longer match
     (a hang, or gloo's "collective mismatch"). The trainer agrees with vLLM on every sample: the 8-frame video is
     longer than it is wide, where transformers' own positions would not (vision.use_original_positions). The
-    validation data gives its videos as lists of frames."""
-    data, val = write_mixed_rows(tmp_path)
-    freeze = ["--actor.freeze-vision-tower"] if architecture == "qwen2_vl" else []
-    # the R1-V recipe of the CLEVR and GeoQA presets, wired end to end: its template keeps the <image> placeholders
-    r1v = (["--reward.function", "r1v", "--data.format-prompt", "templates/r1v.jinja",
-            "--data.max-prompt-length", "1024"] if architecture == "qwen3_vl" else [])
-    output = torchrun(["grpo.py", "--actor.model-path", f"tiny:{architecture}", "--data.train-files", str(data),
-                       "--data.val-files", str(val), "--data.image-dir", str(tmp_path), "--data.no-shuffle",
-                       "--data.video-fps", "4", "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
-                       "--trainer.dist-timeout-minutes", "2", *FAST, *freeze, *r1v],
-                      timeout=300)
+    validation data gives its videos as lists of frames. Qwen2-VL with a frozen vision tower, Qwen3-VL with the R1-V
+    template and reward."""
+    launched = runs[f"mixed_rows_{architecture}"]
+    tmp_path, output = launched.folder, launched.output()
+    freeze, r1v = architecture == "qwen2_vl", architecture == "qwen3_vl"
     assert "data: 16 training prompts (0 longer than" in output and "dropped), 3 validation prompts" in output
     run = tmp_path / f"tiny-{architecture}_mixed"  # no preset: the run is named after the model and the data
     metrics = read_metrics(run)
-    assert len(metrics) == 2 and ("train/reward_format" in metrics[0]) == bool(r1v)
+    assert len(metrics) == 2 and ("train/reward_format" in metrics[0]) == r1v
     assert "val/reward_overall" in metrics[-1]  # the frame lists through vLLM
     for m in metrics:
         assert all(math.isfinite(v) for v in m.values()), m
@@ -143,21 +178,28 @@ def test_vision_language_models_train_on_mixed_rows_without_hanging(tmp_path, ar
     trained = AutoModelForImageTextToText.from_pretrained(final).state_dict()
     moved = {k for k in initial if not torch.equal(initial[k], trained[k])}
     assert any(".language_model." in k for k in moved)
-    assert any(".visual." in k for k in moved) != bool(freeze), sorted(moved)
+    assert any(".visual." in k for k in moved) != freeze, sorted(moved)
 
 
+@launched_run()
+def tensor_parallel(folder):
+    """The same TP=2 job twice in one folder each (see the test)."""
+    return [["--rollout.tensor-parallel-size", "2", "--trainer.total-steps", "2", "--trainer.output-dir", folder / run,
+             "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final", *FAST]
+            for run in ("first", "second")]
+
+
+@uses_runs("tensor_parallel")
 @pytest.mark.slow
-def test_tensor_parallel_rollout(tmp_path):
+def test_tensor_parallel_rollout(runs):
     """Both ranks share one vLLM engine (TP=2): they pool their prompts, each keeps its own responses,
     and after every sync the engine still matches the trainer. Run twice: vLLM's CPU communicator names its
     shared-memory segments the same in every run, and the first run must remove its own, or the second fails
-    with "create shm in SHMManager failed. errno: 17"."""
+    with "create shm in SHMManager failed. errno: 17"; the second removes its own too."""
+    folder = runs["tensor_parallel"].folder
+    assert not list(Path("/dev/shm").glob("*cpushm*"))
     for run in ("first", "second"):
-        torchrun(["grpo.py", "--rollout.tensor-parallel-size", "2", "--trainer.total-steps", "2",
-                  "--trainer.output-dir", str(tmp_path / run), "--trainer.val-freq", "0",
-                  "--trainer.no-val-before-train", "--trainer.no-save-final", *FAST])
-        assert not list(Path("/dev/shm").glob("*cpushm*"))
-        metrics = read_metrics(tmp_path / run / "tiny-qwen2_toy")
+        metrics = read_metrics(folder / run / "tiny-qwen2_toy")
         assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < ENGINE_GAP for m in metrics)
 
 
@@ -184,28 +226,43 @@ def test_multi_node_on_loopback_without_a_shared_folder(tmp_path):
     assert not (folders[1] / "runs" / "tiny-qwen2_toy" / "metrics.jsonl").exists()  # only global rank 0 logs
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--rollout.n", "1"], "--rollout.n 1: grpo compares responses within a group"),
-    (["--algorithm.use-kl-in-reward"], "pick one place for the KL"),
-    (["--trainer.rollout-batch-size", "30", "--trainer.global-batch-size", "8"],
-     "--trainer.rollout-batch-size 30 must be a multiple"),
-    (["--trainer.total-steps", "0"], "--trainer.total-steps 0 must be at least 1"),  # would write an untrained final/
-    (["--actor.max-tokens-per-micro-batch", "100"], "must hold the longest sequence"),
-    (["--rollout.engine", "hf", "--actor.offload-while-generating"], "the hf engine generates with the actor itself"),
-])
-@pytest.mark.slow
-def test_invalid_config_fails_before_loading_anything(tmp_path, flags, message):
-    proc = subprocess.run([sys.executable, "grpo.py", *flags, "--trainer.output-dir", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert not (tmp_path / "models").exists()
+INVALID_CONFIGS = {
+    "n1": (["--rollout.n", "1"], "--rollout.n 1: grpo compares responses within a group"),
+    "two_kl": (["--algorithm.use-kl-in-reward"], "pick one place for the KL"),
+    "batch": (["--trainer.rollout-batch-size", "30", "--trainer.global-batch-size", "8"],
+              "--trainer.rollout-batch-size 30 must be a multiple"),
+    "no_steps": (["--trainer.total-steps", "0"], "--trainer.total-steps 0 must be at least 1"),  # an untrained final/
+    "budget": (["--actor.max-tokens-per-micro-batch", "100"], "must hold the longest sequence"),
+    "hf_offload": (["--rollout.engine", "hf", "--actor.offload-while-generating"],
+                   "the hf engine generates with the actor itself"),
+}
 
 
+def refused(flags: list[str], folder: Path) -> Part:
+    """`python grpo.py FLAGS`, which must end with a user error's exit code."""
+    return Part([*flags, "--trainer.output-dir", folder])
+
+
+for _name, (_flags, _) in INVALID_CONFIGS.items():
+    launched_run(nproc=1, name=f"invalid_{_name}")(partial(refused, _flags))
+launched_run(nproc=1, name="unknown_preset")(partial(refused, ["nosuchpreset"]))
+
+
+@pytest.mark.parametrize("case", INVALID_CONFIGS)
+@uses_runs(*(f"invalid_{name}" for name in INVALID_CONFIGS))
 @pytest.mark.slow
-def test_unknown_preset_lists_the_presets():
-    proc = subprocess.run([sys.executable, "grpo.py", "nosuchpreset"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode != 0 and "unknown preset 'nosuchpreset'" in proc.stderr and "toy" in proc.stderr
+def test_invalid_config_fails_before_loading_anything(runs, case):
+    """Each refused with exit code 1 and its message, before any model is built."""
+    run = runs[f"invalid_{case}"]
+    assert INVALID_CONFIGS[case][1] in run.output()
+    assert not any(path.startswith("models/") for path in run.files())
+
+
+@uses_runs("unknown_preset")
+@pytest.mark.slow
+def test_unknown_preset_lists_the_presets(runs):
+    output = runs["unknown_preset"].output()
+    assert "unknown preset 'nosuchpreset'" in output and "toy" in output
 
 
 def hub_model(preset: Path) -> bool:
@@ -227,18 +284,27 @@ def test_hub_presets_parse_and_fit_eight_gpus(preset):
     assert cfg.trainer.experiment_name == preset and cfg.data.train_files != "toy"  # each preset its own run folder
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.slow
-def test_every_algorithm_preset_runs(tmp_path, preset):
-    """Each preset (configs/<algorithm>.yaml) trains 2 steps on the tiny model with finite metrics and a non-zero
-    policy gradient (a reward the random model earns). With the hf engine, which starts in a second where vLLM warms
-    up for ~15 s on CPU: the algorithm is what is tested here; but ReMax's greedy baseline comes from vLLM."""
+def preset_run(preset: str, folder: Path) -> list[str]:
     # DAPO's filter needs groups with mixed results: 16 samples per prompt find them at random weights
     n = ["--rollout.n", "16"] if preset == "dapo" else ["--rollout.n", "4"]
     engine = [] if preset == "remax" else ["--rollout.engine", "hf"]
-    torchrun(["grpo.py", preset, "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
-              "--trainer.experiment-name", preset, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
-              "--trainer.no-save-final", *engine, *FAST, *SIGNAL, *n])
+    return [preset, "--trainer.total-steps", "2", "--trainer.output-dir", folder, "--trainer.experiment-name", preset,
+            "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final", *engine, *FAST,
+            *SIGNAL, *n]
+
+
+for _name in PRESETS:
+    launched_run(name=f"preset_{_name}")(partial(preset_run, _name))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@uses_runs(*(f"preset_{p}" for p in PRESETS))
+@pytest.mark.slow
+def test_every_algorithm_preset_runs(runs, preset):
+    """Each preset (configs/<algorithm>.yaml) trains 2 steps on the tiny model with finite metrics and a non-zero
+    policy gradient (a reward the random model earns). With the hf engine, which starts in a second where vLLM takes
+    seconds on CPU: the algorithm is what is tested here; but ReMax's greedy baseline comes from vLLM."""
+    tmp_path = runs[f"preset_{preset}"].folder
     metrics = read_metrics(tmp_path / preset)
     assert len(metrics) == 2
     for m in metrics:
