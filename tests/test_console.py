@@ -1,6 +1,6 @@
 """The console of `torchrun grpo.py`: user errors as one line, once (not a traceback per rank).
-The default console of a training run is checked on the runs of test_checkpoints.py, --trainer.verbose in
-test_train.py."""
+The default console of a training run is checked on the runs of test_checkpoints.py, --trainer.verbose there too
+(the resumed launch after a SIGKILL)."""
 
 import subprocess
 import sys
