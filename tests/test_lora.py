@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
-from conftest import ENGINE_GAP, ROOT, torchrun
+from conftest import ENGINE_GAP, FAST, ROOT, torchrun
+from launches import launched_run, uses_runs
 from fsdp_utils import load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
 from lora import LoRAConfig, adapters_off, base_name
@@ -48,26 +49,28 @@ def nudge(model, which: str, seed: int = 0):
             local.add_(0.05 * torch.randn(local.shape, generator=g))
 
 
-ENGINE_CHECK = (  # sampled as rollout.py samples: a vision-language model's image placeholders banned by a bias
-    "import json, sys; from vllm import LLM, SamplingParams; import rollout, vision; rollout.vllm_environment(); "
-    "llm = LLM(model=sys.argv[1], dtype='float32', enforce_eager=True, kv_cache_memory_bytes=2**28, seed=0, "
-    "logprobs_mode='processed_logprobs'); "
-    "ban = {t: vision.PLACEHOLDER_BIAS for t in vision.placeholder_token_ids(llm.llm_engine.model_config.hf_config)}; "
-    "out = llm.generate([{'prompt_token_ids': [1, 20, 21]}], SamplingParams(max_tokens=4, temperature=1.0, "
-    "logprobs=0, seed=0, logit_bias=ban or None))[0].outputs[0]; "
-    "print(json.dumps([out.token_ids, [next(iter(d.values())).logprob for d in out.logprobs]]))")
+@pytest.fixture(scope="module")
+def engine():
+    """tests/vllm_sampler.py, for every folder this module loads in vLLM (one process: one start-up)."""
+    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_sampler.py")], cwd=ROOT, text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    yield process
+    process.stdin.close()
+    process.wait(timeout=60)
 
 
-def assert_vllm_loads_it(folder, model_class=AutoModelForCausalLM):
-    """vLLM loads the Hugging Face folder (in a process of its own), and the log-probs of what it samples from
-    a text prompt are those the trainer computes for the folder loaded with transformers."""
-    proc = subprocess.run([sys.executable, "-c", ENGINE_CHECK, str(folder)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tokens, engine = json.loads(proc.stdout.strip().splitlines()[-1])
+def assert_vllm_loads_it(engine, folder, model_class=AutoModelForCausalLM):
+    """vLLM loads the Hugging Face folder (in tests/vllm_sampler.py's process), and the log-probs of what it samples
+    from a text prompt are those the trainer computes for the folder loaded with transformers."""
+    engine.stdin.write(f"{folder}\n")
+    engine.stdin.flush()
+    line = engine.stdout.readline()
+    assert line, f"vLLM could not load {folder} (tests/vllm_sampler.py exited {engine.poll()})"
+    tokens, sampled = json.loads(line)
     model = model_class.from_pretrained(folder)
     expected = batched_logprobs(model, make_batch([[1, 20, 21]], [tokens], pad_id=0), 1.0, 1)[0]
-    torch.testing.assert_close(torch.tensor(engine), expected, atol=1e-3, rtol=0)
+    torch.testing.assert_close(torch.tensor(sampled), expected, atol=1e-3, rtol=0)
 
 
 def test_only_adapters_train_and_switched_off_they_give_the_base_model(tiny, world_of_one):
@@ -117,7 +120,7 @@ def write_run(run_dir, model_path, lora: LoRAConfig, model, tmp_path):
 
 @pytest.mark.parametrize("rank", [0, 4])
 @pytest.mark.slow
-def test_the_merger_writes_the_trained_model_from_a_checkpoint(tiny, world_of_one, tmp_path, rank):
+def test_the_merger_writes_the_trained_model_from_a_checkpoint(tiny, world_of_one, engine, tmp_path, rank):
     """A full-parameter run and a LoRA run: the merged folder loads with from_pretrained and gives the trained
     model's log-probs."""
     lora = LoRAConfig(rank=rank, alpha=8)
@@ -131,11 +134,11 @@ def test_the_merger_writes_the_trained_model_from_a_checkpoint(tiny, world_of_on
                                atol=1e-5, rtol=0)
     assert (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "generation_config.json").exists()
     if not rank:  # the LoRA run's merged folder is loaded in vLLM by the torchrun test below
-        assert_vllm_loads_it(tmp_path / "out")
+        assert_vllm_loads_it(engine, tmp_path / "out")
 
 
 @pytest.mark.slow
-def test_the_merger_writes_a_vision_language_model_with_its_processor(world_of_one, tmp_path):
+def test_the_merger_writes_a_vision_language_model_with_its_processor(world_of_one, engine, tmp_path):
     path = str(build_tiny_model("qwen2_5_vl", tmp_path / "tiny-vlm"))
     lora = LoRAConfig(rank=4, alpha=8, exclude_modules=".*visual.*")
     model = load_sharded_model(path, torch.device("cpu"), trainable=True, lora=lora)
@@ -147,7 +150,7 @@ def test_the_merger_writes_a_vision_language_model_with_its_processor(world_of_o
     assert AutoProcessor.from_pretrained(tmp_path / "out").image_processor.merge_size == 2
     expected = dict(stream_full_weights(model, torch.float32, torch.device("cpu")))
     assert all(torch.equal(merged.state_dict()[name], tensor) for name, tensor in expected.items())
-    assert_vllm_loads_it(tmp_path / "out", AutoModelForImageTextToText)
+    assert_vllm_loads_it(engine, tmp_path / "out", AutoModelForImageTextToText)
 
 
 def test_an_adapter_on_a_tied_output_head_is_refused(tiny, world_of_one):
@@ -164,25 +167,28 @@ def test_merger_errors_name_the_folder(world_of_one, tmp_path):
         merge(tmp_path, tmp_path / "out", torch.device("cpu"))
 
 
+@launched_run()
+def lora_run(folder):
+    return ["--lora.rank", "8", "--lora.alpha", "16", "--trainer.total-steps", "2", "--trainer.output-dir", folder,
+            "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST, "--trainer.save-freq", "2"]
+
+
+@uses_runs("lora_run")
 @pytest.mark.slow
-def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_loads_in_vllm(tmp_path):
+def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_loads_in_vllm(runs, engine, tmp_path):
     """2 steps, 2 ranks: no reference model is built (the base is the reference), the engine follows the adapted
     model after every sync (gap at the full-model level), the base weights are bitwise unchanged and the adapters
     moved; `python -m scripts.merge` on the run folder gives a folder vLLM loads and whose log-probs are the trained
     model's."""
-    output = torchrun(["grpo.py", "--lora.rank", "8", "--lora.alpha", "16", "--trainer.total-steps", "2",
-                       "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0",
-                       "--trainer.no-val-before-train", "--trainer.rollout-batch-size", "8",
-                       "--trainer.global-batch-size", "8", "--rollout.n", "4",
-                       "--actor.micro-batch-size", "8", "--trainer.save-freq", "2"])
+    output, folder = runs["lora_run"].output(), runs["lora_run"].folder
     assert "LoRA rank 8:" in output and "the reference is the base (adapters off)" in output
-    run = tmp_path / "tiny-qwen2_toy"
+    run = folder / "tiny-qwen2_toy"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < ENGINE_GAP for m in metrics)
     assert metrics[1]["actor/kl_ref"] > 0  # the adapted policy moved away from the base
     dcp_to_torch_save(run / "checkpoints" / "step_000002" / "model_optimizer", tmp_path / "ckpt.pt")
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]
-    initial = load_file(tmp_path / "models" / "tiny-qwen2" / "model.safetensors")
+    initial = load_file(folder / "models" / "tiny-qwen2" / "model.safetensors")
     base = {base_name(n): t for n, t in saved.items() if "lora_" not in n}
     assert all(torch.equal(base[n], initial[n]) for n in initial)
     assert any(t.abs().max() > 0 for n, t in saved.items() if "lora_B" in n)
@@ -190,4 +196,4 @@ def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_lo
     torchrun(["-m", "scripts.merge", str(run), str(tmp_path / "merged")])  # two processes: DCP reshards the checkpoint
     merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(merged[k], final[k]) for k in final)
-    assert_vllm_loads_it(tmp_path / "merged")
+    assert_vllm_loads_it(engine, tmp_path / "merged")
