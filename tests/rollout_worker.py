@@ -1,6 +1,8 @@
 """Run under torchrun by test_rollout.py: generate, perturb the FSDP weights, sync, compare log-probs.
 
-argv: ENGINE (vllm | hf) ARCHITECTURE OUT. A vision-language ARCHITECTURE also generates for prompts with an
+argv: CASES OUT PORTS: CASES comma-separated ENGINE:ARCHITECTURE (ENGINE vllm or hf), each in a process group of
+its own (the port of PORTS, comma-separated, at its place: vLLM's shutdown ends the group); OUT gets a JSON object of
+each case's list of every rank's result. A vision-language ARCHITECTURE also generates for prompts with an
 image and with a video, before and after the sync (vLLM's encoder cache must not serve the old weights' embeddings),
 and the trainer scores the synced engine's samples with the images and the video (8 frames, longer than wide: its
 positions are those of vision.use_original_positions). With the
@@ -11,6 +13,7 @@ numbers of decoding steps: a collective inside generation would hang here.
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,7 @@ from logprobs import batched_logprobs, make_batch
 from plumbing.tiny import VISION_ARCHITECTURES, build_tiny_model
 from rollout import RolloutConfig, build_rollout, vllm_environment
 from conftest import stripes
+from launches import fresh_rendezvous
 from vision import Video, expand_prompt
 
 TEMPERATURE = 0.7
@@ -42,20 +46,16 @@ def logprob_gap(actor, prompts, groups, pad_id, processor=None):
     return gap
 
 
-def write_every_rank(result: dict, out: str) -> None:
-    """Rank 0 writes the list of every rank's `result` to `out` (JSON); all ranks wait until it is written."""
+def every_rank(result: dict) -> list[dict] | None:
+    """Rank 0 gets the list of every rank's `result`; the other ranks None."""
     results = [None] * dist.get_world_size()
     dist.all_gather_object(results, result)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    return results if dist.get_rank() == 0 else None
 
 
-def main(engine: str, architecture: str, out: str):
-    vllm_environment()
+def generate_and_sync(engine: str, architecture: str, out: str) -> list[dict] | None:
     rank, world, device = init_distributed()
-    path = f"{out}.model"
+    path = f"{out}.{engine}-{architecture}"
     if rank == 0:
         build_tiny_model(architecture, path)
     dist.barrier()
@@ -115,12 +115,27 @@ def main(engine: str, architecture: str, out: str):
         "stream_exact": stream_exact, "ref_dtypes": ref_dtypes, "ref_gap": ref_gap,
         "image_group_sizes": [len(g) for g in image_groups], "image_gap": image_gap,
     }
-    write_every_rank(result, out)
+    results = every_rank(result)
     rollout.shutdown()
+    if dist.is_initialized():  # vLLM's shutdown destroys it, the hf engine's does not
+        dist.destroy_process_group()
+    return results
+
+
+def cases(run_case, names: str, out: str, ports: str) -> None:
+    """run_case(ENGINE, ARCHITECTURE, OUT) for each case of NAMES, each in a process group of its own; rank 0 writes
+    the JSON object of each case's result to OUT."""
+    results = {}
+    for name, port in zip(names.split(","), ports.split(",")):
+        fresh_rendezvous(int(port))
+        results[name] = run_case(*name.split(":"), out)
+    if int(os.environ["RANK"]) == 0:
+        Path(out).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    vllm_environment()
+    cases(generate_and_sync, *sys.argv[1:])
     # Everything is written. As in algorithms_worker.py (torch 2.13 CPU, gloo): the interpreter's own teardown
     # aborted rank 1 once in a suite run ("terminate called without an active exception", after the work was done);
     # leave without it.

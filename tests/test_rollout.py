@@ -16,17 +16,28 @@ import torch
 import torch.distributed as dist
 
 from conftest import ENGINE_GAP, torchrun
+from launches import free_ports
 
 EOS = 2  # <|im_end|> in plumbing/tiny.py's tokenizer
 
 
-@pytest.mark.parametrize("engine, architecture", [("vllm", "qwen2"), ("vllm", "llama"), ("vllm", "qwen3_vl"),
-                                                  ("hf", "qwen2"), ("hf", "llama"), ("hf", "qwen2_5_vl")])
+CASES = [("vllm", "qwen2"), ("vllm", "llama"), ("vllm", "qwen3_vl"), ("hf", "qwen2"), ("hf", "llama"),
+         ("hf", "qwen2_5_vl")]
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> dict:
+    """tests/rollout_worker.py over every case, in one launch."""
+    out = tmp_path_factory.mktemp("rollout") / "result.json"
+    cases = ",".join(f"{engine}:{architecture}" for engine, architecture in CASES)
+    torchrun(["tests/rollout_worker.py", cases, str(out), ",".join(map(str, free_ports(len(CASES))))], timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("engine, architecture", CASES)
 @pytest.mark.slow
-def test_generate_and_sync_changed_weights(tmp_path, engine, architecture):
-    out = tmp_path / "result.json"
-    torchrun(["tests/rollout_worker.py", engine, architecture, str(out)], timeout=300)
-    results = json.loads(out.read_text())
+def test_generate_and_sync_changed_weights(generated, engine, architecture):
+    results = generated[f"{engine}:{architecture}"]
     assert [r["rank"] for r in results] == [0, 1]
     assert results[0]["tied"] == (architecture != "llama")  # the tiny Qwen models tie their embeddings
     if architecture.endswith("_vl"):  # two image prompts and a video prompt answered before the sync and again after

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from conftest import ENGINE_GAP, FAST, torchrun
+from launches import free_ports, launched_run, uses_runs
 
 pytestmark = pytest.mark.slow
 
@@ -19,18 +20,27 @@ TURNS = 3  # tools_worker.MAX_TURNS
 BUDGET = {"qwen2_5_bpe": 96, "qwen2_5_vl": 128}  # tools_worker.BUDGET
 
 
-@pytest.mark.parametrize("engine, architecture", [("vllm", "qwen2_5_bpe"), ("hf", "qwen2_5_bpe"),
-                                                  ("vllm", "qwen2_5_vl"), ("hf", "qwen2_5_vl")])
-def test_episodes_are_token_in_token_out_in_lockstep_and_the_trainer_scores_them_as_sampled(tmp_path, engine,
+CASES = [("vllm", "qwen2_5_bpe"), ("hf", "qwen2_5_bpe"), ("vllm", "qwen2_5_vl"), ("hf", "qwen2_5_vl")]
+
+
+@pytest.fixture(scope="module")
+def played(tmp_path_factory) -> dict:
+    """tests/tools_worker.py over every case, in one launch."""
+    out = tmp_path_factory.mktemp("episodes") / "result.json"
+    cases = ",".join(f"{engine}:{architecture}" for engine, architecture in CASES)
+    torchrun(["tests/tools_worker.py", cases, str(out), ",".join(map(str, free_ports(len(CASES))))], timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("engine, architecture", CASES)
+def test_episodes_are_token_in_token_out_in_lockstep_and_the_trainer_scores_them_as_sampled(played, engine,
                                                                                             architecture):
     """Rank 0's episodes run 3 turns, rank 1's end after its first (a failed call, --rollout.max-tool-errors 1),
     yet both ranks make the same engine calls (rank 1 joins turns 2 and 3 with nothing to generate: for the hf
     engine each call gathers the FSDP2 weights, so a rank that skipped one would hang the other until the timeout).
     Every later turn's prompt is the prompt plus the episode's tokens so far, the sampled ids never re-tokenized;
     the tool turns are masked out; a tool's crop of the picture reaches vLLM and the trainer as its image tokens."""
-    out = tmp_path / "result.json"
-    torchrun(["tests/tools_worker.py", engine, architecture, str(out)], timeout=300)
-    ranks = json.loads(out.read_text())
+    ranks = played[f"{engine}:{architecture}"]
     assert [r["rank"] for r in ranks] == [0, 1]
     first, second = ranks
     assert first["turns"] == [TURNS] * 12 and set(first["stop_reasons"]) == {"max_turns"}
@@ -54,15 +64,20 @@ def test_episodes_are_token_in_token_out_in_lockstep_and_the_trainer_scores_them
         assert first["tool_images"] == 0 and first["rows_with_vision"] == 0
 
 
-@pytest.mark.parametrize("engine", ["hf"])  # vllm: the preset's whole run, in test_learning.py
-def test_the_toy_tools_preset_trains_two_steps(tmp_path, engine):
-    """`grpo.py toy_tools`, two ranks, two steps: the episode metrics are logged and sane (at most
-    the preset's --rollout.max-turns 3 turns, a share of masked tool tokens, stop reasons that add up), and the engine's
-    log-probs match the trainer's on the generated tokens of multi-turn responses."""
-    torchrun(["grpo.py", "toy_tools", "--rollout.engine", engine, "--trainer.total-steps", "2",
-              "--trainer.output-dir", str(tmp_path), "--trainer.val-freq", "0", "--trainer.no-val-before-train",
-              "--trainer.save-freq", "0", "--trainer.no-save-final", *FAST], timeout=300)
-    metrics = [json.loads(line) for line in (tmp_path / "toy_tools" / "metrics.jsonl").read_text().splitlines()]
+@launched_run()
+def toy_tools_two_steps(folder):
+    return ["toy_tools", "--rollout.engine", "hf", "--trainer.total-steps", "2", "--trainer.output-dir", folder,
+            "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.save-freq", "0",
+            "--trainer.no-save-final", *FAST]
+
+
+@uses_runs("toy_tools_two_steps")
+def test_the_toy_tools_preset_trains_two_steps(runs):
+    """`grpo.py toy_tools --rollout.engine hf`, two ranks, two steps (vllm: the preset's whole run, in
+    test_learning.py): the episode metrics are logged and sane (at most the preset's --rollout.max-turns 3 turns, a
+    share of masked tool tokens, stop reasons that add up), and the engine's log-probs match the trainer's on the
+    generated tokens of multi-turn responses."""
+    metrics = runs["toy_tools_two_steps"].metrics("toy_tools")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert 1 <= m["episode/turns"] <= 3

@@ -1,7 +1,8 @@
 """Run under torchrun by test_tool_episodes.py: multi-turn tool episodes (tools.ToolRollout) on a real engine, then
 the trainer's log-probs of the same episodes.
 
-argv: ENGINE (vllm | hf) ARCHITECTURE (qwen2_5_bpe | qwen2_5_vl) OUT. A random model never writes a real
+argv: CASES OUT PORTS, as tests/rollout_worker.py's (a case ENGINE:ARCHITECTURE, ARCHITECTURE qwen2_5_bpe or
+qwen2_5_vl). A random model never writes a real
 `<tool_call>`, so the parser (a file written here, passed as `path.py:function` as a user would) calls the one tool,
 `probe`, on every turn. Rank 0's tool answers (with a crop of the prompt's picture for the vision-language model),
 so its episodes run to --rollout.max-turns 3; rank 1's raises, and --rollout.max-tool-errors 1 ends its episodes
@@ -26,7 +27,7 @@ from logprobs import batch_of, batched_logprobs
 from plumbing.tiny import build_tiny_model
 from rewards import Group
 from rollout import RolloutConfig, build_rollout, vllm_environment
-from rollout_worker import TEMPERATURE, write_every_rank
+from rollout_worker import TEMPERATURE, cases, every_rank
 from tools import ToolRollout, load_tools
 from vision import image_tokens
 
@@ -124,11 +125,10 @@ def token_in_token_out(calls: list[dict], prompts: list[dict], groups: list, tok
     return checks
 
 
-def main(engine: str, architecture: str, out: str):
-    vllm_environment()
+def episodes(engine: str, architecture: str, out: str) -> list[dict] | None:
     rank, world, device = init_distributed()
-    path = f"{out}.model"
-    tools_file, parser_file = f"{out}.tools.py", f"{out}.parser.py"
+    path = f"{out}.{engine}-{architecture}"
+    tools_file, parser_file = f"{path}.tools.py", f"{path}.parser.py"
     if rank == 0:
         build_tiny_model(architecture, path)
         Path(tools_file).write_text(TOOLS)
@@ -190,12 +190,14 @@ def main(engine: str, architecture: str, out: str):
         "image_slots_masked": not (image_slots & generated).any().item(),
         "rows_with_vision": sum(v is not None for v in batch.vision or []),
     }
-    write_every_rank(result, out)
+    results = every_rank(result)
     rollout.shutdown()
     if dist.is_initialized():  # vLLM's shutdown tears down the default group with its own
         dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    vllm_environment()
+    cases(episodes, *sys.argv[1:])
     os._exit(0)  # as rollout_worker.py: skip the interpreter's teardown (a rare abort of the CPU stack)
