@@ -1,7 +1,9 @@
 """Run under torchrun by test_sequence_parallel.py: log-probs and gradients with sequence parallelism over the 2
-ranks equal those of each rank computing the whole micro-batch alone (FSDP2 over both ranks in either case), for a
-text model with grouped-query attention (2 query heads, 1 key/value head) and for each tiny Qwen-VL on rows with
-images, videos and neither."""
+ranks equal those of each rank computing the whole micro-batch alone (FSDP2 over both ranks in either case), for
+text models with grouped-query attention (2 query heads and 1 key/value head; 4 query heads, more than the ranks, and
+1 key/value head) and for each tiny Qwen-VL on rows with images, videos and neither.
+
+argv: CASES (comma-separated: a tiny architecture, or `qwen2_4_heads`) OUT (JSON: each case's result)."""
 
 import json
 import sys
@@ -46,11 +48,16 @@ def vision_batch(path: str, device: torch.device):
                       vision=list(images), device=device)
 
 
-def main(architecture: str, out: str):
-    rank, world, device = init_distributed()
-    path, vision_language = f"{out}.model", architecture.endswith("vl")
+TEXT_SIZES = {"qwen2": {}, "qwen2_4_heads": {"num_attention_heads": 4, "num_key_value_heads": 1}}
+
+
+def compare(case: str, folder: str, rank: int, world: int, device: torch.device) -> dict:
+    path, vision_language = f"{folder}/{case}", case.endswith("vl")
     if rank == 0:
-        (build_tiny_vlm if vision_language else build_tiny_model)(architecture, path)
+        if vision_language:
+            build_tiny_vlm(case, path)
+        else:
+            build_tiny_model("qwen2", path, **TEXT_SIZES[case])
     dist.barrier()
     model = load_sharded_model(path, device, trainable=True, videos=vision_language)
     g = torch.Generator().manual_seed(0)  # the same micro-batch on every rank: uneven lengths, an odd total
@@ -65,13 +72,18 @@ def main(architecture: str, out: str):
     split = response_logprobs(model, batch, 0.8, sp=sp)
     ((split * weights).sum() / world).backward()  # the loss is every rank's whole; the gather's backward sums
     got = gradients(model)
-    result = {"logprobs": (split - alone).abs().max().item(),
-              "gradients": max((got[k] - expected[k]).abs().max().item() for k in expected),
-              "gradient_scale": max(v.abs().max().item() for v in expected.values()),
-              "missing": sorted(set(expected) ^ set(got))}
+    return {"logprobs": (split - alone).abs().max().item(),
+            "gradients": max((got[k] - expected[k]).abs().max().item() for k in expected),
+            "gradient_scale": max(v.abs().max().item() for v in expected.values()),
+            "missing": sorted(set(expected) ^ set(got)), "heads": model.config.get_text_config().num_attention_heads}
+
+
+def main(cases: str, out: str):
+    rank, world, device = init_distributed()
+    results = {case: compare(case, f"{out}.models", rank, world, device) for case in cases.split(",")}
     if rank == 0:
         with open(out, "w") as file:
-            json.dump(result, file)
+            json.dump(results, file)
     dist.destroy_process_group()
 
 

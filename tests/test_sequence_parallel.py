@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from conftest import FAST, SIGNAL, torchrun, write_mixed_rows
+from launches import launched_run, uses_runs
 from logprobs import forward_inputs, make_batch
 from plumbing.attention import PACKED_SDPA
 from plumbing.tiny import build_tiny_model
@@ -44,51 +45,72 @@ def test_forward_inputs_give_each_rank_the_response_tokens_its_slice_predicts(mo
     assert ("sequence_parallel" in inputs) == (size > 1)
 
 
+SPLIT_CASES = ["qwen2", "qwen2_4_heads", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module")
+def split_rows(tmp_path_factory) -> dict:
+    """tests/sp_worker.py over every case, in one launch."""
+    out = tmp_path_factory.mktemp("split") / "result.json"
+    torchrun(["tests/sp_worker.py", ",".join(SPLIT_CASES), str(out)])
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("architecture", ["qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-def test_split_rows_give_the_log_probs_and_gradients_of_whole_ones(tmp_path, architecture):
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_rows_give_the_log_probs_and_gradients_of_whole_ones(split_rows, case):
     """tests/sp_worker.py: rows of uneven lengths (an odd total, so the row is padded), for the text model with 1
-    key/value head for 2 query heads (repeated for the 2 ranks) and for each Qwen-VL with rows holding images, videos
+    key/value head for 2 query heads (repeated for the 2 ranks), the same with 4 query heads (2 a rank: heads and
+    sequence swapped wrongly in the all-to-all would mix them) and for each Qwen-VL with rows holding images, videos
     and neither (the cut falls where the lengths put it, inside an image's tokens or not)."""
-    out = tmp_path / "result.json"
-    torchrun(["tests/sp_worker.py", architecture, str(out)])
-    result = json.loads(out.read_text())
+    result = split_rows[case]
     assert result["logprobs"] < 1e-5 and result["gradients"] < 1e-5 and not result["missing"], result
     assert result["gradient_scale"] > 1  # gradients that are there to compare
+    assert result["heads"] == (4 if case == "qwen2_4_heads" else 2)
 
 
-def run(tmp_path, name: str, flags: list[str], nproc: int = 2) -> list[dict]:
-    torchrun(["grpo.py", "--trainer.total-steps", "2", "--trainer.output-dir", str(tmp_path),
-              "--trainer.experiment-name", name, "--trainer.val-freq", "0", "--trainer.no-val-before-train",
-              "--trainer.no-save-final", *FAST, *flags], nproc=nproc, timeout=600)
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+def split_and_whole(folder, flags: list) -> list[list]:
+    """The same 2-step job with its rows cut over groups of 2 ranks (experiment `split`), then without (`whole`)."""
+    return [["--trainer.total-steps", "2", "--trainer.output-dir", folder, "--trainer.experiment-name", name,
+             "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final", *FAST, *flags,
+             *(["--actor.sequence-parallel-size", "2"] if name == "split" else [])] for name in ("split", "whole")]
 
 
-def assert_same_training(split: list[dict], whole: list[dict]):
+def assert_same_training(run):
     """The same samples (each rank generated its own prompts either way), so the same losses, KL, gradient norms and
     rewards, step after step: the split rows train exactly as whole ones."""
+    split, whole = run.metrics("split"), run.metrics("whole")
     assert len(split) == len(whole) == 2
     for a, b in zip(split, whole):
         keys = [k for k in b if k.startswith(("actor/", "train/", "rollout/logprob"))]
         assert keys and all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in keys), (a, b)
 
 
+@launched_run()
+def split_text_rows(folder):
+    return split_and_whole(folder, [*SIGNAL, "--actor.max-tokens-per-micro-batch", "260"])  # 2 micro-batches
+
+
+@uses_runs("split_text_rows")
 @pytest.mark.slow
-def test_two_ranks_with_split_rows_train_as_two_ranks_without(tmp_path):
+def test_two_ranks_with_split_rows_train_as_two_ranks_without(runs):
     """`torchrun --nproc_per_node 2 grpo.py --actor.sequence-parallel-size 2` (one group of 2: both ranks train on
     both ranks' rollouts, each on half of every row) against the same job with 2 data-parallel ranks."""
-    flags = [*SIGNAL, "--actor.max-tokens-per-micro-batch", "260"]  # 2 micro-batches by the budget
-    assert_same_training(run(tmp_path, "split", [*flags, "--actor.sequence-parallel-size", "2"]),
-                         run(tmp_path, "whole", flags))
+    assert_same_training(runs["split_text_rows"])
 
 
+@launched_run(nproc=4)
+def split_vision_rows(folder):
+    data, _ = write_mixed_rows(folder)
+    return split_and_whole(folder, ["--actor.model-path", "tiny:qwen2_5_vl", "--data.train-files", data,
+                                    "--data.val-files", "", "--data.image-dir", folder, "--data.no-shuffle",
+                                    "--data.video-fps", "4", "--rollout.engine", "hf",
+                                    "--trainer.dist-timeout-minutes", "2"])
+
+
+@uses_runs("split_vision_rows")
 @pytest.mark.slow
-def test_four_ranks_two_by_two_on_mixed_vision_rows(tmp_path):
+def test_four_ranks_two_by_two_on_mixed_vision_rows(runs):
     """4 ranks as 2 groups of 2, the tiny Qwen2.5-VL on image, video and text rows: in step 1 one group holds only
     text rows while the other runs the vision tower (no hang), and the run trains as 4 data-parallel ranks do."""
-    data, val = write_mixed_rows(tmp_path)
-    flags = ["--actor.model-path", "tiny:qwen2_5_vl", "--data.train-files", str(data), "--data.val-files", "",
-             "--data.image-dir", str(tmp_path), "--data.no-shuffle", "--data.video-fps", "4", "--rollout.engine", "hf",
-             "--trainer.dist-timeout-minutes", "2"]
-    assert_same_training(run(tmp_path, "split", [*flags, "--actor.sequence-parallel-size", "2"], nproc=4),
-                         run(tmp_path, "whole", flags, nproc=4))
+    assert_same_training(runs["split_vision_rows"])
