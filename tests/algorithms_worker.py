@@ -23,12 +23,8 @@ from plumbing.collectives import sum_over_ranks
 from plumbing.tiny import build_tiny_model
 
 
-def main(loss_agg_mode: str, loss_type: str, out: str):
-    rank, world, device = init_distributed()
-    path = f"{out}.model"
-    if rank == 0:
-        build_tiny_model("qwen2", path)
-    dist.barrier()
+def compare(loss_agg_mode: str, loss_type: str, path: str, rank: int, world: int, device) -> dict | None:
+    """The gradients of one aggregation mode and loss, and the whitening; rank 0 returns what it measured."""
     cfg = Config()
     cfg.actor.micro_batch_size = 2
     cfg.algorithm.loss_agg_mode, cfg.algorithm.loss_type, cfg.algorithm.use_kl_loss = loss_agg_mode, loss_type, False
@@ -96,10 +92,23 @@ def main(loss_agg_mode: str, loss_type: str, out: str):
         grad_scale = max(single[k].grad.abs().max().item() for k in distributed)
         whole = reinforce_pp_advantages(AdvantageInputs(token_rewards, mask, 1), cfg.algorithm)
         whitening_diff = (torch.cat(pieces) - whole[longest_first]).abs().max().item()
+        return {"grad_diff": grad_diff, "grad_scale": grad_scale, "whitening_diff": whitening_diff,
+                "budget_diff": budget_diff, "budget_counts": [int(c) for c in counts], "balance_diff": balance_diff,
+                "tokens_per_rank": tokens}
+    return None
+
+
+def main(cases: str, out: str):
+    """CASES: comma-separated LOSS_AGG_MODE:LOSS_TYPE; rank 0 writes each case's result to OUT (JSON)."""
+    rank, world, device = init_distributed()
+    path = f"{out}.model"
+    if rank == 0:
+        build_tiny_model("qwen2", path)
+    dist.barrier()
+    results = {case: compare(*case.split(":"), path, rank, world, device) for case in cases.split(",")}
+    if rank == 0:
         with open(out, "w") as f:
-            json.dump({"grad_diff": grad_diff, "grad_scale": grad_scale, "whitening_diff": whitening_diff,
-                       "budget_diff": budget_diff, "budget_counts": [int(c) for c in counts],
-                       "balance_diff": balance_diff, "tokens_per_rank": tokens}, f)
+            json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
 

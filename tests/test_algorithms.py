@@ -195,6 +195,40 @@ def test_sapo_soft_gate():
     torch.testing.assert_close(new.grad, torch.tensor([[-1.0, 1.0]]))
 
 
+@pytest.mark.parametrize("mode, count", [("token-mean", "tokens"), ("seq-mean-token-mean", "sequences"),
+                                         ("seq-mean-token-sum", "sequences")])
+def test_the_loss_is_divided_by_the_counts_over_every_rank(tmp_path, monkeypatch, mode, count):
+    """A stand-in group of 2 whose other rank holds 3 sequences of 7 response tokens (its share of the counts'
+    all-reduce): every micro-batch's loss is divided by both ranks' count, so this rank's gradient is its gradient
+    alone x (its own count / both ranks' count). A count of this rank's alone, or of the world size times it, fails."""
+    from transformers import AutoModelForCausalLM
+
+    import plumbing.collectives as collectives
+    from grpo import Config, backward_mini_batch
+    from plumbing.tiny import build_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model("qwen2", tmp_path / "m"))
+    batch = make_batch([[1, 20, 21], [1, 30], [1, 40, 41, 42]], [[50, 51, 2], [60, 2], [70, 71, 72, 73, 2]], pad_id=0)
+    batch.advantages = torch.tensor([[1.0], [-0.5], [0.8]]) * batch.response_mask
+    batch.old_logprobs = batched_logprobs(model, batch, 1.0, 3) + 0.1
+    cfg = Config()
+    cfg.actor.micro_batch_size, cfg.rollout.temperature = 2, 1.0
+    cfg.algorithm.loss_agg_mode, cfg.algorithm.use_kl_loss = mode, False
+    own = {"tokens": 10, "sequences": 3}[count]  # 3 + 2 + 5 response tokens, 3 sequences
+
+    def gradient(other_rank: list[float]) -> torch.Tensor:
+        monkeypatch.setattr(collectives.dist, "all_reduce",
+                            lambda buffer, op=None: buffer.add_(torch.tensor(other_rank, dtype=buffer.dtype)))
+        model.zero_grad()
+        backward_mini_batch(model, batch, cfg)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    alone, beside = gradient([0.0, 0.0]), gradient([7.0, 3.0])  # the counts' buffer: [tokens, sequences]
+    assert alone.abs().max() > 1e-3
+    torch.testing.assert_close(beside, alone * own / (own + {"tokens": 7, "sequences": 3}[count]), atol=1e-7,
+                               rtol=1e-5)
+
+
 def test_seq_mean_token_sum_by_hand():
     loss = torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
@@ -254,16 +288,24 @@ def test_dynamic_sampling_keeps_only_keep_groups():
         keep_group([{"overall": 1.0}], "acc", 0.01, 0.99)
 
 
-@pytest.mark.parametrize("loss_agg_mode, loss_type", [("token-mean", "ppo_clip"), ("seq-mean-token-mean", "gspo"),
-                                                      ("seq-mean-token-sum", "cispo")])
+CASES = [("token-mean", "ppo_clip"), ("seq-mean-token-mean", "gspo"), ("seq-mean-token-sum", "cispo")]
+
+
+@pytest.fixture(scope="module")
+def distributed_gradients(tmp_path_factory) -> dict:
+    """tests/algorithms_worker.py over every case, in one launch."""
+    out = tmp_path_factory.mktemp("gradients") / "result.json"
+    torchrun(["tests/algorithms_worker.py", ",".join(f"{mode}:{loss}" for mode, loss in CASES), str(out)])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("loss_agg_mode, loss_type", CASES)
 @pytest.mark.slow
-def test_two_ranks_two_micro_batches_equal_one_batch(tmp_path, loss_agg_mode, loss_type):
+def test_two_ranks_two_micro_batches_equal_one_batch(distributed_gradients, loss_agg_mode, loss_type):
     """Under torchrun (gloo, FSDP2): 2 ranks x 2 micro-batches give the gradient of the whole batch at once, and so
     do micro-batches by a token budget, of which one rank needs more than the other on its own, and the batch after
     the ranks exchanged sequences to even out their tokens (rank 0 starts with the long ones)."""
-    out = tmp_path / "result.json"
-    torchrun(["tests/algorithms_worker.py", loss_agg_mode, loss_type, str(out)])
-    result = json.loads(out.read_text())
+    result = distributed_gradients[f"{loss_agg_mode}:{loss_type}"]
     assert result["grad_scale"] > 1e-3, "the test batch must produce a real gradient"
     assert result["grad_diff"] < 1e-5 * max(1.0, result["grad_scale"])
     assert result["budget_diff"] < 1e-5 * max(1.0, result["grad_scale"])
