@@ -72,6 +72,30 @@ def test_hostile_programs_are_stopped_and_leave_the_machine_as_it_was(name):
     assert not processes_named("program.py") and not MARK.exists()
 
 
+VICTIM = Path(tempfile.gettempdir()) / "sandbox-victim.txt"  # a file outside the program's folder, there before it
+WRITES_TO_AN_EXISTING_FILE = {
+    "appending": f"open({str(VICTIM)!r}, 'a').write('x')",
+    "truncating": f"os.truncate({str(VICTIM)!r}, 0)",
+    "rewriting in place": f"f = open({str(VICTIM)!r}, 'r+'); f.write('zz'); f.close()",
+    "renaming": f"os.rename({str(VICTIM)!r}, {str(VICTIM)!r} + '.moved')",
+    "appending through a symlink in its folder": f"os.symlink({str(VICTIM)!r}, 'link'); open('link', 'a').write('x')",
+    "truncating through a symlink in its folder": f"os.symlink({str(VICTIM)!r}, 'link'); open('link', 'w')",
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITES_TO_AN_EXISTING_FILE))
+def test_a_file_outside_its_folder_cannot_be_changed_in_any_way(name):
+    """Not only new files: an existing file outside the program's folder keeps its name and its bytes, whether the
+    program appends to it, truncates it, rewrites it in place or renames it, directly or through a symlink it made
+    in its own folder (Landlock checks the file the path resolves to)."""
+    VICTIM.write_text("kept")
+    for moved in VICTIM.parent.glob(VICTIM.name + ".moved"):
+        moved.unlink()
+    outcome = asyncio.run(run_code("import os\n" + WRITES_TO_AN_EXISTING_FILE[name], "", Limits(seconds=2)))
+    assert outcome.status == "ok" and "PermissionError" in outcome.stderr, outcome
+    assert VICTIM.read_text() == "kept" and not (VICTIM.parent / (VICTIM.name + ".moved")).exists()
+
+
 def test_the_code_reward_scores_the_share_of_tests_passed_and_hostile_code_0():
     reward = RewardFunction(RewardConfig("code", kwargs={"seconds": 2.0}))
     right = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
