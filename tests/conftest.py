@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from launches import DECLARED, Runs, kill_tree
+from launches import DECLARED, Runs, free_ports, kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 # a short job: 8 prompts x 4 samples a step, one micro-batch of the 16 sequences each rank holds
@@ -55,6 +55,14 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = RO
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(proc.args)} exited {proc.returncode}:\n{output[-6000:]}"
     return output
+
+
+def over_cases(worker: str, cases: list[tuple[str, str]], out: Path, nproc: int = 2) -> dict:
+    """One launch of `worker` (tests/rollout_worker.py's argv: CASES OUT PORTS) over every (engine, architecture)
+    case, each with its own rendezvous port; its results by "engine:architecture"."""
+    torchrun([worker, ",".join(f"{engine}:{architecture}" for engine, architecture in cases), str(out),
+              ",".join(map(str, free_ports(len(cases))))], nproc=nproc, timeout=600)
+    return json.loads(out.read_text())
 
 
 # Every test's time limit (pytest-timeout), so that a hang fails naming its test: a minute for the fast tier; for

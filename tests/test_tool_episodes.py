@@ -7,12 +7,11 @@ the trainer's batch of the same episodes, with the holes of the tool turns in it
 into its tokens: the trainer's log-probs match the engine's on every generated token, packed as padded.
 """
 
-import json
 
 import pytest
 
-from conftest import ENGINE_GAP, FAST, torchrun
-from launches import free_ports, launched_run, uses_runs
+from conftest import ENGINE_GAP, FAST, over_cases
+from launches import launched_run, uses_runs
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +25,7 @@ CASES = [("vllm", "qwen2_5_bpe"), ("hf", "qwen2_5_bpe"), ("vllm", "qwen2_5_vl"),
 @pytest.fixture(scope="module")
 def played(tmp_path_factory) -> dict:
     """tests/tools_worker.py over every case, in one launch."""
-    out = tmp_path_factory.mktemp("episodes") / "result.json"
-    cases = ",".join(f"{engine}:{architecture}" for engine, architecture in CASES)
-    torchrun(["tests/tools_worker.py", cases, str(out), ",".join(map(str, free_ports(len(CASES))))], timeout=600)
-    return json.loads(out.read_text())
+    return over_cases("tests/tools_worker.py", CASES, tmp_path_factory.mktemp("episodes") / "result.json")
 
 
 @pytest.mark.parametrize("engine, architecture", CASES)
