@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from fsdp_utils import init_distributed, load_sharded_model
@@ -80,8 +79,6 @@ def stop_phases(engine: str, architecture: str, out: str) -> dict:
                      for g in groups for r in g]
         phases[phase] = {"gap": logprob_gap(actor, prompts, groups, tokenizer.pad_token_id), "responses": responses}
     rollout.shutdown()
-    if dist.is_initialized():  # vLLM's shutdown tears down the default group with its own
-        dist.destroy_process_group()
     return {"phases": phases, "prompt_ids": [p["prompt_ids"] for p in prompts]}
 
 

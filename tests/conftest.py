@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +27,7 @@ ENGINE_GAP = 1e-3 if not torch.cuda.is_available() else 5e-2
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def launch(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = ROOT, extra: list[str] = (),
@@ -66,17 +63,16 @@ def over_cases(worker: str, cases: list[tuple[str, str]], out: Path, nproc: int 
 
 
 # Every test's time limit (pytest-timeout), so that a hang fails naming its test: a minute for the fast tier; for
-# a test that launches processes its own launches' limits (each `timeout=`) below TORCHRUN_LIMIT; for the first
-# test that reads declared runs, the runs' own limits added up (launches.py kills a run past its own). A test
-# may set its own with @pytest.mark.timeout.
+# a test that launches processes its own launches' limits (each `timeout=`) below TORCHRUN_LIMIT; for a test that
+# reads declared runs (the first of them launches them all), the runs' own limits added up on top (launches.py
+# kills a run past its own). A test may set its own with @pytest.mark.timeout.
 FAST_LIMIT, TORCHRUN_LIMIT = 60, 900
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("timeout") is None:
-            names = {n for mark in item.iter_markers("runs") for n in mark.args}
-            limit = (sum(run.limit for run in DECLARED.values()) + TORCHRUN_LIMIT if names
+            limit = (sum(run.limit for run in DECLARED.values()) + TORCHRUN_LIMIT if item.get_closest_marker("runs")
                      else TORCHRUN_LIMIT if item.get_closest_marker("slow") else FAST_LIMIT)
             item.add_marker(pytest.mark.timeout(limit))
 

@@ -192,8 +192,6 @@ def episodes(engine: str, architecture: str, out: str) -> list[dict] | None:
     }
     results = every_rank(result)
     rollout.shutdown()
-    if dist.is_initialized():  # vLLM's shutdown tears down the default group with its own
-        dist.destroy_process_group()
     return results
 
 
