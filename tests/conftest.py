@@ -1,9 +1,12 @@
 """Shared helpers: run a script under torchrun the way users do (gloo on CPU, 2 ranks by default)."""
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import av
@@ -55,10 +58,10 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = RO
 
 
 def over_cases(worker: str, cases: list[tuple[str, str]], out: Path, nproc: int = 2) -> dict:
-    """One launch of `worker` (tests/rollout_worker.py's argv: CASES OUT PORTS) over every (engine, architecture)
-    case, each with its own rendezvous port; its results by "engine:architecture"."""
-    torchrun([worker, ",".join(f"{engine}:{architecture}" for engine, architecture in cases), str(out),
-              ",".join(map(str, free_ports(len(cases))))], nproc=nproc, timeout=600)
+    """One launch of `worker` (tests/rollout_worker.py's argv: CASES OUT) over every (engine, architecture) case, each
+    in a process group of its own; its results by "engine:architecture"."""
+    torchrun([worker, ",".join(f"{engine}:{architecture}" for engine, architecture in cases), str(out)], nproc=nproc,
+             timeout=600)
     return json.loads(out.read_text())
 
 
@@ -69,7 +72,20 @@ def over_cases(worker: str, cases: list[tuple[str, str]], out: Path, nproc: int 
 FAST_LIMIT, TORCHRUN_LIMIT = 60, 900
 
 
+# The suite runs on two workers (pytest-xdist: the README's `-n 2`). Each computes on one core (the launches' ranks
+# already do: OMP_NUM_THREADS=1) and has a temporary folder of its own, so that what one worker's tests leave there
+# (the sandbox's program folders, the files they check) never meets the other's; the declared runs are launched
+# once for both (launches.Runs); and the learning runs, the longest tests, are handed out first, so that the two
+# workers end together.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"tests-{os.environ['PYTEST_XDIST_WORKER']}-")
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    atexit.register(shutil.rmtree, os.environ["TMPDIR"], ignore_errors=True)
+
+
 def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name != "test_learning.py")
     for item in items:
         if item.get_closest_marker("timeout") is None:
             limit = (sum(run.limit for run in DECLARED.values()) + TORCHRUN_LIMIT if item.get_closest_marker("runs")
@@ -80,7 +96,9 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def runs(request, tmp_path_factory) -> Runs:
     """The runs the tests declared with launches.launched_run, by name; launched together on first use."""
-    return Runs(request.session, tmp_path_factory.mktemp("runs"))
+    shared = os.environ.get("PYTEST_XDIST_WORKER")  # the workers' folders are in one folder of the session
+    return Runs(request.session, tmp_path_factory.getbasetemp().parent / "runs" if shared else
+                tmp_path_factory.mktemp("runs"))
 
 
 @pytest.fixture(scope="module")

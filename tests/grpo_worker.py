@@ -1,13 +1,13 @@
 """Run under torchrun by tests/launches.py: `grpo.py` for each part of each run in a spec file, in order.
 
-argv: SPEC (a JSON list of runs: name, folder, parts (grpo's argv and the exit code it must end with), ports (one per
-part)). Each part runs as grpo.py's __main__ runs it (a user error ends it with one line and exit code 1) in a
-process group of its own (launches.fresh_rendezvous), with the environment as it was before the first part, and
-writes its ranks' output to FOLDER/.logs/PART.rankR.txt; rank 0 records the folder's files before and after it
-(PART.before.json, PART.files.json) and its time (PART.seconds), and `done` after the last part. A part that raises
-or ends with another exit code ends the launch (another rank may be waiting in a collective): launches.py starts the
-rest anew. A part meant to fail must fail on every rank alike, before the engine starts (nothing but the process
-group is cleaned up after it).
+argv: SPEC (a JSON list of runs: name, folder, parts: grpo's argv and the exit code it must end with). Each part runs
+as grpo.py's __main__ runs it (a user error ends it with one line and exit code 1) in a process group of its own
+(launches.fresh_rendezvous: rank 0 writes its port to PART.port), with the environment as it was before the first
+part, and writes its ranks' output to FOLDER/.logs/PART.rankR.txt; rank 0 records the folder's files before and after
+it (PART.before.json, PART.files.json) and its time (PART.seconds), and `done` after the last part. A part that
+raises or ends with another exit code ends the launch (another rank may be waiting in a collective): launches.py
+starts the rest anew. A part meant to fail must fail on every rank alike, before the engine starts (nothing but the
+process group is cleaned up after it).
 """
 
 import gc
@@ -32,10 +32,10 @@ def digests(folder: Path) -> dict[str, str]:
             if p.is_file() and ".logs" not in p.relative_to(folder).parts}
 
 
-def run_part(argv: list[str], port: int, log: Path) -> int:
+def run_part(argv: list[str], log: Path) -> int:
     """One `grpo.py ARGV` as its __main__ runs it (a user error: one line and exit code 1), its output (all that file
     descriptors 1 and 2 get: the libraries' too) to `log`; returns the exit code."""
-    fresh_rendezvous(port)
+    fresh_rendezvous(log.with_name(log.name.split(".")[0] + ".port"))
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -67,7 +67,7 @@ def main(spec: str) -> None:
         logs.mkdir(exist_ok=True)
         if rank == 0:
             (logs / "started").touch()
-        for part, (spec_part, port) in enumerate(zip(run["parts"], run["ports"])):
+        for part, spec_part in enumerate(run["parts"]):
             os.environ.clear()
             os.environ.update(environment)
             INTERRUPT_NOTES.clear()
@@ -75,7 +75,7 @@ def main(spec: str) -> None:
                 (logs / f"{part}.before.json").write_text(json.dumps(digests(folder)))
             start = time.perf_counter()
             try:
-                code = run_part(spec_part["argv"], port, logs / f"{part}.rank{rank}.txt")
+                code = run_part(spec_part["argv"], logs / f"{part}.rank{rank}.txt")
             except BaseException:
                 os._exit(1)
             if code != spec_part["exit"]:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,11 +102,18 @@ class Run:
         return [json.loads(line) for line in (self.folder / experiment / "metrics.jsonl").read_text().splitlines()]
 
 
-def fresh_rendezvous(port: int) -> None:
-    """Make this rank's next process group its own: a store that rank 0 hosts on `port`, not torchrun's agent store,
-    which still holds the keys of the groups before (vLLM's shutdown destroys the default group, and a new one with
-    the same keys would meet the old addresses). Every rank of the launch passes the same port."""
-    os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
+def fresh_rendezvous(note: Path) -> None:
+    """Make this rank's next process group its own: a store that rank 0 hosts on a port free now, not torchrun's
+    agent store, which still holds the keys of the groups before (vLLM's shutdown destroys the default group, and a
+    new one with the same keys would meet the old addresses). Rank 0 chooses the port just before the group starts
+    (one chosen when the launch began could be taken by then: the other test worker, a library) and writes it to
+    the file `note`, unique to this group, where the other ranks read it."""
+    if int(os.environ["RANK"]) == 0:
+        note.with_suffix(".tmp").write_text(str(free_ports(1)[0]))
+        note.with_suffix(".tmp").rename(note)
+    while not note.exists():
+        time.sleep(0.05)
+    os.environ.update(MASTER_PORT=note.read_text(), TORCHELASTIC_USE_AGENT_STORE="False")
 
 
 def free_ports(count: int) -> list[int]:
@@ -129,7 +137,7 @@ def launch_runs(declared: list[Declared], base: Path) -> dict[str, Run]:
         parts = run.argv(folder)
         parts = [parts] if isinstance(parts, Part) or not isinstance(parts[0], (list, Part)) else parts
         parts = [part if isinstance(part, Part) else Part(part, 0) for part in parts]
-        specs.append({"name": run.name, "folder": str(folder), "limit": run.limit, "ports": free_ports(len(parts)),
+        specs.append({"name": run.name, "folder": str(folder), "limit": run.limit,
                       "parts": [{"argv": [str(a) for a in part.argv], "exit": part.exit_code} for part in parts]})
     errors = {}
     pending = specs
@@ -186,24 +194,39 @@ def kill_tree(job: subprocess.Popen) -> None:
 
 
 class Runs:
-    """The `runs` fixture: declared runs by name, launched together the first time any of them is asked for."""
+    """The `runs` fixture: declared runs by name, launched together the first time any of them is asked for.
+
+    Under pytest-xdist each worker has its own fixture over one shared folder: the first worker to ask launches
+    (holding the folder's lock, which the other then waits on) and writes down what finished, for both to read."""
 
     def __init__(self, session, base: Path):
         self.session, self.base, self.finished = session, base, {}
+        base.mkdir(parents=True, exist_ok=True)
 
     def __getitem__(self, name: str) -> Run:
         if name not in self.finished:
-            wanted = {n for item in self.session.items for mark in item.iter_markers("runs") for n in mark.args}
-            wanted.add(name)
-            world = DECLARED[name].nproc
-            batch = [run for run in DECLARED.values()
-                     if run.name in wanted and run.nproc == world and run.name not in self.finished]
-            self.finished.update(launch_runs(batch, self.base / f"nproc{world}-{len(self.finished)}"))
+            with FileLock(self.base / "launching.lock"):
+                record = self.base / "finished.json"
+                self.finished = {n: Run(n, Path(folder), error) for n, (folder, error) in
+                                 (json.loads(record.read_text()) if record.exists() else {}).items()}
+                if name not in self.finished:
+                    self._launch(name)
+                    record.write_text(json.dumps({n: [str(r.folder), r.error] for n, r in self.finished.items()}))
         run = self.finished[name]
         if run.error:
             pytest.fail(f"run {name} failed: {run.error}\n--- its output (last part):\n"
                         f"{_last_output(run)[-6000:]}", pytrace=False)
         return run
+
+
+    def _launch(self, name: str) -> None:
+        """Launch `name` and every run of its world size that the session's tests name and no launch ran yet."""
+        wanted = {n for item in self.session.items for mark in item.iter_markers("runs") for n in mark.args}
+        wanted.add(name)
+        world = DECLARED[name].nproc
+        batch = [run for run in DECLARED.values()
+                 if run.name in wanted and run.nproc == world and run.name not in self.finished]
+        self.finished.update(launch_runs(batch, self.base / f"nproc{world}-{len(self.finished)}"))
 
 
 def _last_output(run: Run) -> str:

@@ -120,13 +120,13 @@ def generate_and_sync(engine: str, architecture: str, out: str) -> list[dict] | 
     return results
 
 
-def cases(run_case, names: str, out: str, ports: str) -> None:
+def cases(run_case, names: str, out: str) -> None:
     """run_case(ENGINE, ARCHITECTURE, OUT) for each case of NAMES, each in a process group of its own (run_case
     starts it; it is destroyed after, where the engine's shutdown has not); rank 0 writes the JSON object of each
     case's result to OUT."""
     results = {}
-    for name, port in zip(names.split(","), ports.split(",")):
-        fresh_rendezvous(int(port))
+    for i, name in enumerate(names.split(",")):
+        fresh_rendezvous(Path(f"{out}.{i}.port"))
         results[name] = run_case(*name.split(":"), out)
         if dist.is_initialized():  # vLLM's shutdown destroys the default group with its own, the hf engine's does not
             dist.destroy_process_group()

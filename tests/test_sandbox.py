@@ -7,10 +7,10 @@ import asyncio
 import json
 import os
 import re
-import subprocess
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 
 from plumbing.sandbox import Limits, protections, run_code
@@ -40,9 +40,12 @@ def sample(response: str, ground_truth: str = TESTS) -> dict:
                 images=[], videos=[], messages=[])
 
 
-def processes_named(text: str) -> list[str]:
-    return [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
-            if text in line and "ps -eo" not in line]
+def programs_left() -> list[str]:
+    """The sandboxed programs still running that this process started: their folders are in its temporary folder
+    (under pytest-xdist each worker has its own: tests/conftest.py). One whose folder cannot be read counts too."""
+    return [" ".join(p.info["cmdline"]) for p in psutil.process_iter(["cmdline", "cwd"])
+            if "program.py" in (p.info["cmdline"] or []) and (p.info["cwd"] or tempfile.gettempdir()).startswith(
+                tempfile.gettempdir())]
 
 
 def test_this_machine_grants_every_protection():
@@ -69,7 +72,7 @@ def test_hostile_programs_are_stopped_and_leave_the_machine_as_it_was(name):
     assert outcome.status in status, outcome
     if error:
         assert error in outcome.stderr, outcome.stderr[-300:]
-    assert not processes_named("program.py") and not MARK.exists()
+    assert not programs_left() and not MARK.exists()
 
 
 VICTIM = Path(tempfile.gettempdir()) / "sandbox-victim.txt"  # a file outside the program's folder, there before it
@@ -108,7 +111,7 @@ def test_the_code_reward_scores_the_share_of_tests_passed_and_hostile_code_0():
     assert [s["overall"] for s in scores[:5]] == [1.0, 0.5, 0.0, 1.0, 0.0]
     assert [s["accuracy"] for s in scores[:5]] == [1.0, 0.0, 0.0, 1.0, 0.0]
     assert all(s["overall"] == 0.0 for s in scores[5:])
-    assert not processes_named("program.py") and not MARK.exists()
+    assert not programs_left() and not MARK.exists()
 
 
 def test_the_code_in_a_response():
