@@ -9,6 +9,8 @@ What is enforced, and how (Linux; `protections()` says which of them this machin
 - wall-clock time: the launcher kills the program at `seconds` (the trainer kills the launcher's group 2 s later);
 - CPU time: RLIMIT_CPU; memory: RLIMIT_AS, per process; open files: RLIMIT_NOFILE;
 - new processes: none, a seccomp filter fails every fork and every clone but a thread's (x86-64, arm64);
+- file metadata: the same filter fails every change of a file's mode, owner, times or extended attributes, in its
+  folder too (Landlock has no right for them, and the user namespace's root owns the machine's user's files);
 - output: the trainer reads `output_bytes` of stdout and of stderr at most, then kills it; RLIMIT_FSIZE bounds a file;
 - files: a private temporary folder (its working directory, HOME and TMPDIR), deleted after; Landlock (Linux 5.13+)
   forbids writing anywhere else;
@@ -57,7 +59,8 @@ class Outcome:
 
 def protections() -> dict[str, bool]:
     """Which protections of the module docstring this machine grants, by a trial launch: the namespaces (privileges,
-    network, other processes), Landlock's rules (files, TCP, signals), the seccomp filter (new processes)."""
+    network, other processes), Landlock's rules (files, TCP, signals), the seccomp filter (new processes, file
+    metadata)."""
     with tempfile.TemporaryDirectory(prefix="sandbox-probe-") as folder:
         status = asyncio.run(_launch(folder, "", Limits(seconds=10), probe=True))[1]
     return status.get("protections", {})

@@ -23,6 +23,12 @@ PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 # seccomp: (audit architecture, the syscalls that start a process) per machine; clone is allowed for threads only
 SECCOMP_ARCH = {"x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "clone": 56, "clone3": 435}),
                 "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435})}
+# The calls that change a file's metadata, which Landlock has no right for: mode (chmod, fchmod, fchmodat,
+# fchmodat2), owner (chown, fchown, lchown, fchownat), times (utime, utimes, futimesat, utimensat) and extended
+# attributes (setxattr, lsetxattr, fsetxattr, removexattr, lremovexattr, fremovexattr, setxattrat, removexattrat)
+METADATA_CALLS = {"x86_64": (90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280, 188, 189, 190, 197, 198, 199,
+                             463, 466),
+                  "aarch64": (52, 53, 452, 55, 54, 88, 5, 6, 7, 14, 15, 16, 463, 466)}
 CLONE_THREAD = 0x00010000
 
 
@@ -53,7 +59,7 @@ def main(config: dict) -> None:
             if abi:
                 _restrict_writes(libc, abi, os.getcwd())
             if seccomp:
-                _no_new_processes(libc, *seccomp)
+                _seccomp_filter(libc, *seccomp, METADATA_CALLS[os.uname().machine])
             os.set_inheritable(write_end, False)
             if not config["probe"]:
                 os.execv(sys.executable, [sys.executable, "-I", "-S", "program.py"])
@@ -79,7 +85,7 @@ def main(config: dict) -> None:
         report = {"status": "unsafe" if failed_start else status, "returncode": returncode, "error": failed_start,
                   "protections": {"privileges": namespaces, "network": namespaces, "other processes": namespaces,
                                   "files": abi >= 1, "tcp": abi >= 4, "signals": namespaces or abi >= 6,
-                                  "new processes": seccomp is not None}}
+                                  "new processes": seccomp is not None, "file metadata": seccomp is not None}}
         os.write(report_fd, json.dumps(report).encode())
         os.close(report_fd)
 
@@ -128,14 +134,19 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def _no_new_processes(libc, arch: int, calls: dict[str, int]) -> None:
+def _seccomp_filter(libc, arch: int, calls: dict[str, int], metadata_calls: tuple[int, ...]) -> None:
     """seccomp: fork, vfork and clone3 fail (EAGAIN; clone3 ENOSYS, so that threads fall back to clone), clone fails
-    unless it makes a thread (CLONE_THREAD); another architecture's syscalls (x32) are refused outright."""
+    unless it makes a thread (CLONE_THREAD); every call that changes a file's metadata fails (EPERM), in the
+    program's folder too (Landlock cannot tell a file's mode, owner, times or attributes from its contents: as the
+    user namespace's root, the program could otherwise make any file of the machine's user setuid or world-writable);
+    another architecture's syscalls (x32) are refused outright."""
     load, jump_equal, jump_set, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
-    allow, kill, again, no_call = 0x7FFF0000, 0x80000000, 0x00050000 | 11, 0x00050000 | 38
+    allow, kill, again, no_call, denied = 0x7FFF0000, 0x80000000, 0x00050000 | 11, 0x00050000 | 38, 0x00050000 | 1
     program = [(load, 0, 0, 4), (jump_equal, 1, 0, arch), (ret, 0, 0, kill), (load, 0, 0, 0)]
     if os.uname().machine == "x86_64":  # x32 syscalls carry bit 30
         program += [(0x35, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # BPF_JMP|JGE|K
+    for number in metadata_calls:
+        program += [(jump_equal, 0, 1, number), (ret, 0, 0, denied)]
     for name in ("fork", "vfork", "clone3"):
         if name in calls:
             program += [(jump_equal, 0, 1, calls[name]), (ret, 0, 0, no_call if name == "clone3" else again)]

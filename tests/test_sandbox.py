@@ -50,7 +50,8 @@ def programs_left() -> list[str]:
 
 def test_this_machine_grants_every_protection():
     assert protections() == {"privileges": True, "network": True, "other processes": True, "files": True,
-                             "tcp": True, "signals": True, "new processes": True}
+                             "tcp": True, "signals": True, "new processes": True,
+                             "file metadata": True}
 
 
 def test_a_program_reads_its_input_writes_its_folder_and_leaves_nothing():
@@ -83,20 +84,70 @@ WRITES_TO_AN_EXISTING_FILE = {
     "renaming": f"os.rename({str(VICTIM)!r}, {str(VICTIM)!r} + '.moved')",
     "appending through a symlink in its folder": f"os.symlink({str(VICTIM)!r}, 'link'); open('link', 'a').write('x')",
     "truncating through a symlink in its folder": f"os.symlink({str(VICTIM)!r}, 'link'); open('link', 'w')",
+    # its metadata: mode, owner, times, extended attributes; by path, by descriptor (opened for reading, which is
+    # allowed), relative to a directory, through a symlink, and by raw syscall number (no libc wrapper to trust)
+    "making it setuid and world-writable": f"os.chmod({str(VICTIM)!r}, 0o4777)",
+    "changing its mode through a descriptor": f"os.fchmod(os.open({str(VICTIM)!r}, os.O_RDONLY), 0o777)",
+    "changing its mode relative to a directory": f"os.chmod({VICTIM.name!r}, 0o777, dir_fd=os.open("
+                                                 f"{str(VICTIM.parent)!r}, os.O_RDONLY))",
+    "changing its mode through a symlink in its folder": f"os.symlink({str(VICTIM)!r}, 'link'); "
+                                                         "os.chmod('link', 0o777)",
+    "changing its owner": f"os.chown({str(VICTIM)!r}, os.getuid(), os.getgid())",
+    "changing its owner, not following links": f"os.lchown({str(VICTIM)!r}, os.getuid(), os.getgid())",
+    "changing its owner through a descriptor": f"os.fchown(os.open({str(VICTIM)!r}, os.O_RDONLY), 0, 0)",
+    "changing its times": f"os.utime({str(VICTIM)!r}, (0, 0))",
+    "changing its times through a descriptor": f"os.utime(os.open({str(VICTIM)!r}, os.O_RDONLY), (0, 0))",
+    "setting an extended attribute": f"os.setxattr({str(VICTIM)!r}, 'user.x', b'1')",
+    "setting an extended attribute through a descriptor": f"os.setxattr(os.open({str(VICTIM)!r}, os.O_RDONLY), "
+                                                          f"'user.x', b'1')",
+    "removing an extended attribute": f"os.removexattr({str(VICTIM)!r}, 'user.kept')",
+    **{f"the raw {call} syscall ({number})": f"import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
+                                             f"if libc.syscall({number}, {str(VICTIM).encode()!r}, {argument}):\n"
+                                             f"    raise OSError(ctypes.get_errno(), '{call}')"
+       for call, number, argument in (("chmod", 90, "0o777"), ("utime", 132, "None"), ("utimes", 235, "None"))
+       if os.uname().machine == "x86_64"},
 }
+
+
+def metadata(path: Path) -> tuple:
+    """Everything about a file but its bytes: mode, owner, times, extended attributes (where the filesystem has
+    them)."""
+    status = path.stat()
+    try:
+        attributes = {name: os.getxattr(path, name) for name in os.listxattr(path)}
+    except OSError:
+        attributes = None
+    return status.st_mode, status.st_uid, status.st_gid, status.st_mtime_ns, status.st_ctime_ns, attributes
 
 
 @pytest.mark.parametrize("name", sorted(WRITES_TO_AN_EXISTING_FILE))
 def test_a_file_outside_its_folder_cannot_be_changed_in_any_way(name):
-    """Not only new files: an existing file outside the program's folder keeps its name and its bytes, whether the
-    program appends to it, truncates it, rewrites it in place or renames it, directly or through a symlink it made
-    in its own folder (Landlock checks the file the path resolves to)."""
+    """Not only new files: an existing file outside the program's folder keeps its name, its bytes and its metadata
+    (mode, owner, times, extended attributes; ctime changes with any of them), whether the program appends to it,
+    truncates it, rewrites it in place, renames it, or changes its mode, owner, times or attributes, directly, by
+    descriptor or through a symlink it made in its own folder (Landlock checks the file the path resolves to;
+    seccomp refuses the metadata calls)."""
     VICTIM.write_text("kept")
+    VICTIM.chmod(0o644)
     for moved in VICTIM.parent.glob(VICTIM.name + ".moved"):
         moved.unlink()
+    try:
+        os.setxattr(VICTIM, "user.kept", b"1")
+    except OSError:  # a filesystem without user attributes: the call must fail all the same
+        pass
+    before = metadata(VICTIM)
     outcome = asyncio.run(run_code("import os\n" + WRITES_TO_AN_EXISTING_FILE[name], "", Limits(seconds=2)))
     assert outcome.status == "ok" and "PermissionError" in outcome.stderr, outcome
     assert VICTIM.read_text() == "kept" and not (VICTIM.parent / (VICTIM.name + ".moved")).exists()
+    assert metadata(VICTIM) == before
+
+
+def test_a_program_cannot_change_metadata_in_its_own_folder_either():
+    """seccomp cannot tell one path from another: the metadata calls fail in the program's folder too, while it
+    writes its own files as before."""
+    source = "import os\nopen('mine', 'w').write('x')\nprint(open('mine').read())\nos.chmod('mine', 0o700)"
+    outcome = asyncio.run(run_code(source, "", Limits(seconds=2)))
+    assert outcome.status == "ok" and outcome.stdout == "x\n" and "PermissionError" in outcome.stderr, outcome
 
 
 def test_the_code_reward_scores_the_share_of_tests_passed_and_hostile_code_0():
@@ -107,7 +158,14 @@ def test_the_code_reward_scores_the_share_of_tests_passed_and_hostile_code_0():
     inputs = [sample(right), sample(half), sample("print(0"), sample("def add(a, b):\n    return a + b", asserts),
               sample("def add(a, b):\n    return a * b", asserts)]
     inputs += [sample(f"```python\n{source}\n```") for source, _ in HOSTILE.values()]
+    VICTIM.write_text("kept")
+    VICTIM.chmod(0o644)
+    # the right answer, after making a file outside setuid and world-writable: it must not score (the run's own
+    # config.json was the file when this was found)
+    inputs.append(sample(f"```python\nimport os\nos.chmod({str(VICTIM)!r}, 0o4777)\n"
+                         "a, b = map(int, input().split())\nprint(a + b)\n```"))
     scores = reward(inputs)
+    assert VICTIM.stat().st_mode & 0o7777 == 0o644
     assert [s["overall"] for s in scores[:5]] == [1.0, 0.5, 0.0, 1.0, 0.0]
     assert [s["accuracy"] for s in scores[:5]] == [1.0, 0.0, 0.0, 1.0, 0.0]
     assert all(s["overall"] == 0.0 for s in scores[5:])
