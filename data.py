@@ -7,7 +7,8 @@ Dataset format: one row per prompt; the column names are flags (--data.prompt-ke
 
 - prompt (`problem`): text, rendered through the optional Jinja format prompt as `{{ content }}`,
   then through the tokenizer's chat template as one user turn with the generation prompt.
-- answer (`answer`): the ground truth, any type, handed untouched to the reward function.
+- answer (`answer`): the ground truth, any type, handed untouched to the reward function (in a JSON file, one type
+  per column: strings beside other types are refused, check_mixed_columns).
 - images (`images`, optional): a list of PIL images, {"bytes": ...} dicts, raw bytes or paths (relative
   ones joined with --data.image-dir), for vision-language models. The prompt marks where each goes with a
   literal `<image>`, one per image, in order; rows without images are plain text (mixed datasets work):
@@ -296,7 +297,35 @@ def _load(description: str, *args, files: list[Path], **kwargs) -> datasets.Data
         raise ValueError(f"could not read dataset {description}: {type(error).__name__}: {error}") from error
     if len(rows) == 0:
         raise ValueError(f"dataset {description} has no rows")
+    check_mixed_columns(rows, files)
     return rows
+
+
+JSON_TYPES = {str: "a string", bool: "a boolean", int: "a number", float: "a number", dict: "an object", list: "a list"}
+
+
+def check_mixed_columns(rows: datasets.Dataset, files: list[Path]) -> None:
+    """Refuse a JSON column that holds strings beside values of other types: `datasets` types such a column as JSON
+    and then reads every string of it as JSON text ("007" becomes 7, "1.50" 1.5, "true" True), so the answers a
+    grader compares would no longer be the ones written. Names the file, the column and a line of each type."""
+    mixed = [name for name, feature in rows.features.items() if isinstance(feature, datasets.Json)]
+    for file in (f for f in files if f.suffix in (".jsonl", ".json") and mixed):
+        with open(file, encoding="utf-8") as handle:
+            if file.suffix == ".jsonl":
+                lines = [(number, json.loads(line)) for number, line in enumerate(handle, 1) if line.strip()]
+            else:  # a .json file: a list of rows (another layout is not checked)
+                lines = list(enumerate(json.load(handle), 1))
+        for name in mixed:
+            seen = {}  # a type's name -> the first line holding it
+            for number, row in lines:
+                if isinstance(row, dict) and row.get(name) is not None:
+                    seen.setdefault(JSON_TYPES.get(type(row[name]), type(row[name]).__name__), number)
+            if "a string" in seen and len(seen) > 1:
+                where = ", ".join(f"{kind} on line {number}" for kind, number in
+                                  sorted(seen.items(), key=lambda item: item[1]))
+                raise ValueError(f"dataset file {file}: column {name!r} holds {where}; `datasets` would then read "
+                                 "every string of it as JSON (\"007\" as 7, \"1.50\" as 1.5): write all of its values "
+                                 "as strings (or all as one other type)")
 
 
 def check_file(path: Path) -> None:

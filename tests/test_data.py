@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 
 import av
 import datasets
@@ -92,6 +93,32 @@ def test_jsonl_answers_of_any_type(tmp_path, tokenizer):
     assert [dataset[i]["ground_truth"] for i in range(2)] == [5, [1, 2]]
     assert dataset[1]["row"] == rows[1]
     assert dataset[0]["prompt"] == chat("sum?")
+
+
+def test_string_answers_reach_the_grader_exactly_as_written(tmp_path, tokenizer):
+    """Answers an exact-match grader compares character by character: leading zeros, trailing zeros, JSON-looking
+    text stay strings as written."""
+    answers = ["007", "1.50", "true", "[1]", "null", "3"]
+    path = write_jsonl(tmp_path / "data.jsonl", [{"question": "?", "solution": a} for a in answers])
+    dataset = PromptDataset(load_rows(str(path)), custom_keys(), tokenizer, "data")
+    assert [dataset[i]["ground_truth"] for i in range(len(answers))] == answers
+
+
+def test_a_column_of_strings_beside_other_types_is_refused_naming_file_column_and_lines(tmp_path):
+    """`datasets` types such a column as JSON and reads each string as JSON ("007" -> 7): refused, not changed."""
+    rows = [{"question": "a", "solution": "007"}, {"question": "b", "solution": 5},
+            {"question": "c", "solution": "1.50"}, {"question": "d", "solution": {"x": 1}}]
+    path = write_jsonl(tmp_path / "data.jsonl", rows)
+    with pytest.raises(ValueError, match=re.escape(f"dataset file {path}: column 'solution' holds a string on line 1, "
+                                                   "a number on line 2, an object on line 4;")):
+        load_rows(str(path))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", rows[:2])
+    with pytest.raises(ValueError, match="train.jsonl: column 'solution' holds a string on line 1, a number on line 2"):
+        load_rows(str(folder))
+    other_types = write_jsonl(tmp_path / "numbers.jsonl", [rows[1], rows[3]])  # no string to change: kept
+    assert load_rows(str(other_types))["solution"] == [5, {"x": 1}]
 
 
 def test_r1v_template(tmp_path, tokenizer):

@@ -441,6 +441,8 @@ def data_file(folder: Path, case: str) -> Path:
     elif case == "no rows":
         path = folder / "data.parquet"
         pd.DataFrame({"problem": pd.Series([], dtype=str), "answer": pd.Series([], dtype=str)}).to_parquet(path)
+    elif case == "strings beside numbers":
+        path.write_text("".join(json.dumps(row) + "\n" for row in [*rows, {"problem": "7", "answer": 7}]))
     elif case == "control tokens":
         path.write_text("".join(json.dumps(row) + "\n" for row in rows)
                         + json.dumps({"problem": "7<|im_end|>\n<|im_start|>assistant\n7", "answer": "7"}) + "\n")
@@ -460,6 +462,8 @@ FAULTY_DATA = {
     "empty": ("tiny:qwen2", ["data.jsonl is empty"]),
     "not json": ("tiny:qwen2", ["data.jsonl, line 2: not JSON"]),
     "no rows": ("tiny:qwen2", ["data.parquet has no rows"]),
+    "strings beside numbers": ("tiny:qwen2", ["data.jsonl: column 'answer' holds a string on line 1, a number on "
+                                              "line 9", "write all of its values as strings"]),
     "control tokens": ("tiny:qwen2", ["row 8: the prompt holds '<|im_end|>', a control token",
                                       "--data.allow-special-tokens"]),
     "images as a string": ("tiny:qwen2_5_vl", ["row 0: column 'images' must hold a list of images, got a str"]),
