@@ -45,8 +45,8 @@ from logprobs import Batch, batch_of, batched_logprobs, micro_batches, response_
 from lora import LoRAConfig, adapters_off
 from plumbing.attention import attention_line
 from plumbing.balance import balance_over_ranks
-from plumbing.checkpoints import (agree_on_resume_point, load_model, prepare_run_folder, read_state, resume,
-                                  save_checkpoint, stop_note)
+from plumbing.checkpoints import (agree_on_resume_point, hold_run_folder, load_model, prepare_run_folder, read_state,
+                                  resume, save_checkpoint, stop_note)
 from plumbing.cli import check_flags, default_run_name, parse_command_line
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
 from plumbing.console import INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_libraries, report_once, run
@@ -669,6 +669,8 @@ def main(cfg: Config) -> None:
     torch.manual_seed(cfg.trainer.seed)
     console = Console(quiet=rank != 0, soft_wrap=True)
     job = {"model": cfg.actor.model_path, "data": cfg.data.train_files}  # a checkpoint of another job is refused
+    if not cfg.trainer.val_only:  # one launch trains in a run folder at a time (an evaluation only reads it)
+        hold_run_folder(run_dir)
     start = agree_on_resume_point(run_dir, cfg.trainer.resume, job)  # None: a fresh run
     first_step = read_state(start)["step"] + 1 if start is not None else 1
     final_written = not cfg.trainer.save_final or (run_dir / "final" / HF_MARKER).is_file()

@@ -3,6 +3,7 @@
 A run folder (`--trainer.output-dir`/`--trainer.experiment-name`):
 
     runs/toy/
+      launch.lock                 held by the launch that trains in the folder (which process: its text)
       config.json                 the run's config (a resume lists the flags it changes)
       metrics.jsonl               one line per step; generations.jsonl: validation samples (plumbing/trackers.py)
       checkpoints/
@@ -31,13 +32,18 @@ Design decisions:
   counts global prompts, so it is valid on any world size too; only the per-rank RNG states are tied to
   a rank: ranks without a saved state keep their seeded start.
 - A checkpoint folder must be visible to every rank: multi-node runs need a shared filesystem for it.
+- One launch trains in a run folder at a time: its rank 0 holds an flock on `launch.lock` for as long as it runs (the
+  kernel lets go when the process ends, however it ends: a killed run leaves nothing stuck), and a second launch
+  is refused at start-up, naming the first (its pid and host, written in the lock file).
 """
 
 import errno
 import json
 import os
+import fcntl
 import random
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -316,6 +322,37 @@ def agree_on_resume_point(run_dir: Path, resume: str, job: dict) -> Path | None:
     if isinstance(decision[0], SystemExit):
         raise decision[0]
     return decision[0]
+
+
+_HELD: list = []  # the open lock file of the run folder this process trains in: it lives as long as the process
+
+
+def hold_run_folder(run_dir: Path) -> None:
+    """Rank 0 takes the run folder's lock, or every rank ends with the same refusal naming the launch that holds it
+    (collective, as agree_on_resume_point). A process trains in one folder at a time: a later run in the same
+    process (grpo.main called again) lets go of the lock of the one before."""
+    refusal: list = [None]
+    while _HELD:
+        _HELD.pop().close()
+    if dist.get_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(run_dir / "launch.lock", "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            refusal = [SystemExit(f"{run_dir} is in use by another launch ({holder}); wait for it to end, or give "
+                                  "this one another --trainer.experiment-name")]
+        else:
+            lock.truncate(0)
+            lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            lock.flush()
+            _HELD.append(lock)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise refusal[0]
 
 
 def prepare_run_folder(run_dir: Path, config: dict, start: Path | None, say) -> None:

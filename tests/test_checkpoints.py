@@ -132,7 +132,9 @@ def test_resume_onto_one_rank_from_a_two_rank_checkpoint_and_back_onto_two(strai
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     """Kill the whole job (SIGKILL, no clean-up) while it writes a checkpoint: the next launch resumes from
     the last complete one, discards the unfinished folder, and the metric lines still hold each step once. The save
-    of step 3 is held just before its commit (checkpoints.hold_before_commit), so the kill lands there every time."""
+    of step 3 is held just before its commit (checkpoints.hold_before_commit), so the kill lands there every time.
+    While it is held, a second launch into the same run folder is refused, naming the first, and touches nothing;
+    the kill leaves no lock behind."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "grpo.py", "--trainer.total-steps", "5", "--trainer.output-dir",
            str(tmp_path), "--trainer.save-freq", "1", "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST]
@@ -144,6 +146,12 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
         while not (folder / "step_000003.tmp" / "held").exists():
             assert job.poll() is None and time.monotonic() < deadline, "the job ended before its third save was held"
             time.sleep(0.1)
+        second = subprocess.run([sys.executable, *cmd[cmd.index("grpo.py"):]], cwd=ROOT, capture_output=True,
+                                text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(free_port())})
+        holders = [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
+        refusal = f"error: {tmp_path / 'tiny-qwen2_toy'} is in use by another launch (pid "
+        assert second.returncode == 1 and refusal in second.stdout + second.stderr, second.stdout + second.stderr
+        assert any(f"(pid {pid} on " in second.stdout + second.stderr for pid in holders)
         # torchrun starts each worker in a session of its own: kill every process of the job, all at once
         for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
             process.send_signal(signal.SIGKILL)
