@@ -53,7 +53,7 @@ from plumbing.console import INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_
 from plumbing.memory import check_run_memory
 from plumbing.metrics import PhaseTimer, logprob_metrics, pass_metrics, score_metrics, step_totals
 from plumbing.optimizer import build_optimizer, build_scheduler
-from plumbing.tiny import ARCHITECTURES, VISION_ARCHITECTURES, resolve_model
+from plumbing.tiny import ARCHITECTURES, REAL_VOCABULARY, VISION_ARCHITECTURES, resolve_model
 from plumbing.trackers import Trackers, check_loggers, write_evaluation
 from rewards import Group, PendingScores, RewardConfig, RewardError, RewardFunction, Scoring
 from rollout import RolloutConfig, start_engine, vllm_environment
@@ -65,7 +65,7 @@ from vision import is_vision_language
 @dataclass
 class ActorConfig:
     model_path: str = "tiny:qwen2"
-    """HF model folder or hub id; `tiny:qwen2`, `tiny:qwen3`, `tiny:llama` build a tiny random model locally."""
+    """HF model folder or hub id; `tiny:NAME` builds a tiny random model locally (the names: --help's first lines)."""
     lr: float = 1e-3
     """AdamW learning rate (peak)."""
     weight_decay: float = 1e-2
@@ -838,8 +838,9 @@ def parse_config(argv: list[str]) -> Config:
     cfg, preset = parse_command_line(Config, argv, Path(__file__).parent / "configs", "grpo.py [PRESET]", (
         "GRPO-style RL with an FSDP2 actor and vLLM. PRESET: a file of configs/ ({presets}) or a .yaml path; flags "
         "override it. Tiny random models (no download): --actor.model-path tiny:ARCH, ARCH one of "
-        f"{', '.join(sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES))}. Advantage estimators: "
-        f"{', '.join(ADVANTAGE_ESTIMATORS)}. Policy losses: {', '.join(POLICY_LOSSES)}."))
+        f"{', '.join(sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES))}; with Qwen2.5's real vocabulary "
+        f"{', '.join(REAL_VOCABULARY)}. Advantage estimators: {', '.join(ADVANTAGE_ESTIMATORS)}. Policy losses: "
+        f"{', '.join(POLICY_LOSSES)}."))
     if not cfg.trainer.experiment_name:
         data_path = parse_spec(cfg.data.train_files)[0]
         cfg.trainer.experiment_name = preset or default_run_name(cfg.actor.model_path, data_path)

@@ -518,7 +518,8 @@ def test_help_lists_presets_tiny_models_and_algorithms(capsys):
     with pytest.raises(SystemExit):
         grpo.parse_config(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    for name in ("toy_vision", "math_qwen2_5_7b_lora", "tiny:ARCH", "qwen2_5_vl", "reinforce_plus_plus", "cispo"):
+    for name in ("toy_vision", "math_qwen2_5_7b_lora", "tiny:ARCH", "qwen2_5_vl", "qwen2_5_bpe", "qwen2_5_vl_bpe",
+                 "reinforce_plus_plus", "cispo"):
         assert name in shown, name
     assert "ESTIMATORS below" not in shown and "LOSSES below" not in shown  # names shown, not pointed at
 
