@@ -3,6 +3,7 @@ before anything is loaded, naming the flag to change.
 """
 
 import dataclasses
+import typing
 from pathlib import Path
 
 import torch
@@ -22,7 +23,16 @@ def parse_command_line(config_class, argv: list[str], presets_dir: Path, prog: s
         if not path.exists():
             raise SystemExit(f"unknown preset {name!r}{did_you_mean(name, presets)}: choose one of {presets} or give "
                              "a path to a .yaml file")
-        default, preset = override(default, yaml.safe_load(path.read_text()) or {}, str(path)), path.stem
+        try:
+            changes = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise SystemExit(f"{path}{where}: not valid YAML ({getattr(error, 'problem', None) or error})") from None
+        if not isinstance(changes, dict):
+            raise SystemExit(f"{path}: a preset is a mapping of sections to settings (actor: {{lr: 1.0e-6}}), "
+                             f"not a {type(changes).__name__}")
+        default, preset = override(default, changes, str(path)), path.stem
     cfg = tyro.cli(config_class, default=default, args=argv, prog=prog,
                    description=description.format(presets=", ".join(presets)))
     return cfg, preset
@@ -36,19 +46,46 @@ def default_run_name(model_path: str, data_path: str) -> str:
 
 
 def override(config, changes: dict, where: str):
-    """Recursively replace dataclass fields with a preset's values, rejecting unknown keys."""
-    updates = {}
+    """Recursively replace dataclass fields with a preset's values, rejecting unknown keys and values of the wrong
+    type (as a flag would be: the preset is read before tyro sees the command line)."""
+    updates, hints = {}, typing.get_type_hints(type(config))
     for key, value in changes.items():
         if not hasattr(config, key):
             keys = [f.name for f in dataclasses.fields(config)]
             raise SystemExit(f"{where}: unknown key {key!r}{did_you_mean(key, keys)}; valid keys: {keys}")
         current = getattr(config, key)
         if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise SystemExit(f"{where}:{key} is a section of settings ({key}: {{...}}), got {value!r}")
             value = override(current, value, f"{where}:{key}")
-        elif isinstance(current, tuple) and isinstance(value, list):  # YAML has lists; the config's fields are tuples
-            value = tuple(value)
+        else:
+            value = checked(value, hints[key], f"{where}:{key}")
         updates[key] = value
     return dataclasses.replace(config, **updates)
+
+
+def checked(value, hint, where: str):
+    """A preset's value as the field's type: a number where a float is (YAML 1.1 reads `1e-3` as a string, a
+    number to a reader and to tyro), a tuple where a list or one string is (`logger: console`), a Literal's own
+    choices; anything else of another type is refused, naming the key."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    wrong = SystemExit(f"{where} is {value!r}, not {getattr(hint, '__name__', None) or hint}")
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise wrong
+        try:
+            return float(value)
+        except ValueError:
+            raise wrong from None
+    if hint in (int, bool, str) and (type(value) is not hint):
+        raise wrong
+    if origin is typing.Literal and value not in args:
+        raise SystemExit(f"{where} is {value!r}, not one of {list(args)}")
+    if origin is tuple and isinstance(value, str) and args[-1:] == (Ellipsis,):
+        return (value,)
+    if origin is tuple and isinstance(value, list):  # YAML has lists; the config's fields are tuples
+        return tuple(value)
+    return value
 
 
 def check_flags(cfg, world_size: int, estimators: dict, losses: dict, advantage_inputs) -> None:

@@ -11,6 +11,7 @@ Training runs use the hf engine: no vLLM warm-up.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -522,6 +523,30 @@ def test_help_lists_presets_tiny_models_and_algorithms(capsys):
                  "reinforce_plus_plus", "cispo"):
         assert name in shown, name
     assert "ESTIMATORS below" not in shown and "LOSSES below" not in shown  # names shown, not pointed at
+
+
+def test_a_presets_values_are_read_as_their_fields_types(tmp_path):
+    """YAML 1.1 reads `1e-3` as a string: it is the float it reads as to a person; one logger is a tuple of one."""
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("actor:\n  lr: 1e-3\ntrainer:\n  logger: console\n  total_steps: 3\n")
+    cfg = grpo.parse_config([str(preset)])
+    assert (cfg.actor.lr, cfg.trainer.logger, cfg.trainer.total_steps) == (0.001, ("console",), 3)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("actor:\n  lr: fast\n", "mine.yaml:actor:lr is 'fast', not float"),
+    ("trainer:\n  total_steps: 1.5\n", "mine.yaml:trainer:total_steps is 1.5, not int"),
+    ("trainer:\n  save_final: yes please\n", "mine.yaml:trainer:save_final is 'yes please', not bool"),
+    ("algorithm:\n  loss_agg_mode: mean\n", "mine.yaml:algorithm:loss_agg_mode is 'mean', not one of ['token-mean'"),
+    ("actor: 5\n", "mine.yaml:actor is a section of settings (actor: {...}), got 5"),
+    ("actor:\n  lr: [1\n", "mine.yaml, line 3, column 1: not valid YAML"),
+    ("- lr: 1\n", "mine.yaml: a preset is a mapping of sections to settings"),
+])
+def test_a_preset_of_the_wrong_shape_is_one_line_naming_file_and_key(tmp_path, text, message):
+    preset = tmp_path / "mine.yaml"
+    preset.write_text(text)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        grpo.parse_config([str(preset)])
 
 
 @pytest.mark.parametrize("argv, message", [
