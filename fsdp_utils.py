@@ -75,6 +75,18 @@ def process_group_backend(device_type: str, cpu_offload: bool) -> str:
 LOGIT_TRANSFORMS = {"final_logit_softcapping": (0,), "logit_scale": (1,), "logits_scaling": (1,)}  # name: no-op values
 
 
+def check_model_exists(model_path: str, flag: str) -> None:
+    """Fail in one line naming `flag` (the flag and its value) on a folder without config.json, a path that does not
+    exist, or a hub id that cannot be found (check_hub_model)."""
+    path = Path(model_path).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise SystemExit(f"{flag}: the folder has no config.json; give a Hugging Face model folder or a hub id")
+    if not path.is_dir():
+        if path.exists() or model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1:
+            raise SystemExit(f"{flag}: no such folder, and not a hub id (namespace/name)")
+        check_hub_model(model_path, flag)
+
+
 def check_model_source(model_path: str, given: str, longest_sequence: int) -> None:
     """Fail at start-up, in one line, on a model that cannot load or cannot hold the run's sequences: a folder
     without config.json, a path that does not exist, a hub id the hub does not have, or one this machine can
@@ -87,13 +99,7 @@ def check_model_source(model_path: str, given: str, longest_sequence: int) -> No
     cache. `given`: the flag's value, for the messages (`tiny:qwen2` for the folder it was built into).
     """
     flag = f"--actor.model-path {given}"
-    path = Path(model_path).expanduser()
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise SystemExit(f"{flag}: the folder has no config.json; give a Hugging Face model folder or a hub id")
-    if not path.is_dir():
-        if path.exists() or model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1:
-            raise SystemExit(f"{flag}: no such folder, and not a hub id (namespace/name)")
-        check_hub_model(model_path, flag)
+    check_model_exists(model_path, flag)
     config = AutoConfig.from_pretrained(model_path).get_text_config()
     if longest_sequence > config.max_position_embeddings:
         raise SystemExit(f"--data.max-prompt-length + --rollout.max-response-length = {longest_sequence} tokens exceed "

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
-from fsdp_utils import (HF_MARKER, TrainingState, check_model_source, check_output_folder, init_distributed,
-                        load_actor_and_reference, load_reward_model, save_hf_model)
+from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source, check_output_folder,
+                        init_distributed, load_actor_and_reference, load_reward_model, save_hf_model)
 from logprobs import Batch, batch_of, batched_logprobs, micro_batches, response_logprobs
 from lora import LoRAConfig, adapters_off
 from plumbing.attention import attention_line
@@ -665,6 +665,8 @@ def main(cfg: Config) -> None:
     rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes, cfg.actor.fsdp_cpu_offload)
     dist.barrier()  # every node's tiny model is written
     check_model_source(model_path, cfg.actor.model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+    if reward_model_path:  # as the actor's: one line, not transformers' traceback
+        check_model_exists(reward_model_path, f"--reward.model {cfg.reward.model}")
     sp = SequenceParallel.build(cfg.actor.sequence_parallel_size, model_path)
     torch.manual_seed(cfg.trainer.seed)
     console = Console(quiet=rank != 0, soft_wrap=True)

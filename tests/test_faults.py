@@ -337,13 +337,14 @@ def test_impossible_flags_are_named_before_anything_loads(runs):
     assert not runs["impossible_flags"].files()  # nothing written, no model built
 
 
-UNLOADABLE = {"missing": ("/no/such/model", "no such folder, and not a hub id"),
-              "empty": ("EMPTY", "the folder has no config.json")}
+UNLOADABLE = {"missing": ("--actor.model-path", "/no/such/model", "no such folder, and not a hub id"),
+              "empty": ("--actor.model-path", "EMPTY", "the folder has no config.json"),
+              "missing reward model": ("--reward.model", "/no/such/reward_model", "no such folder, and not a hub id")}
 
 
 def unloadable(case: str, folder: Path) -> Part:
-    model = UNLOADABLE[case][0]
-    return Part(["--actor.model-path", folder if model == "EMPTY" else model, "--trainer.output-dir", folder / "runs"])
+    flag, model, _ = UNLOADABLE[case]
+    return Part([flag, folder if model == "EMPTY" else model, "--trainer.output-dir", folder / "runs"])
 
 
 UNLOADABLE_RUNS = launched_cases("unloadable", UNLOADABLE, unloadable, nproc=1)
@@ -354,9 +355,9 @@ UNLOADABLE_RUNS = launched_cases("unloadable", UNLOADABLE, unloadable, nproc=1)
 @pytest.mark.slow
 def test_a_model_that_cannot_load_is_one_line(runs, case):
     run = runs[UNLOADABLE_RUNS[case]]
-    model, message = UNLOADABLE[case]
+    flag, model, message = UNLOADABLE[case]
     model = str(run.folder) if model == "EMPTY" else model
-    assert run.output().startswith(f"error: --actor.model-path {model}: "), run.output()[-3000:]
+    assert run.output().startswith(f"error: {flag} {model}: "), run.output()[-3000:]
     the_error_line(run.output(), message)
 
 
