@@ -673,7 +673,7 @@ def main(cfg: Config) -> None:
     job = {"model": cfg.actor.model_path, "data": cfg.data.train_files}  # a checkpoint of another job is refused
     if not cfg.trainer.val_only:  # one launch trains in a run folder at a time (an evaluation only reads it)
         hold_run_folder(run_dir)
-    start = agree_on_resume_point(run_dir, cfg.trainer.resume, job)  # None: a fresh run
+    start = agree_on_resume_point(run_dir, cfg.trainer.resume, job, dataclasses.asdict(cfg))  # None: a fresh run
     first_step = read_state(start)["step"] + 1 if start is not None else 1
     final_written = not cfg.trainer.save_final or (run_dir / "final" / HF_MARKER).is_file()
     if first_step > cfg.trainer.total_steps and final_written and not cfg.trainer.val_only:  # nothing to do, record

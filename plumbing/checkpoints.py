@@ -81,14 +81,15 @@ def best_checkpoint(checkpoints: list[Path]) -> Path | None:
     return max(scored)[2] if scored else None
 
 
-def find_resume_point(run_dir: Path, resume: str, job: dict) -> Path | None:
+def find_resume_point(run_dir: Path, resume: str, job: dict, config: dict | None = None) -> Path | None:
     """The checkpoint to start from (None: a fresh run), or a SystemExit saying what to do.
 
     resume: auto (the latest checkpoint of run_dir; fresh if it has none), never, best, or a checkpoint path.
     A run folder only ever holds one history: a fresh start into a used folder, or a resume from another run's
     checkpoint into it, is refused with the flags that do it in a new folder; so is a checkpoint of another
-    model or dataset than `job` ({"model": ..., "data": ...}) names. Resuming from an earlier checkpoint of the
-    same run rewinds it (prepare_run_folder).
+    model or dataset than `job` ({"model": ..., "data": ...}) names, and one the launch's `config` (its
+    dataclasses.asdict) cannot load (check_state_fits). Resuming from an earlier checkpoint of the same run rewinds
+    it (prepare_run_folder).
     """
     run_dir = Path(run_dir)
     checkpoints = complete_checkpoints(run_dir)
@@ -114,12 +115,34 @@ def find_resume_point(run_dir: Path, resume: str, job: dict) -> Path | None:
     if holds_a_run and start.resolve().parent != (run_dir / "checkpoints").resolve():
         raise SystemExit(f"{run_dir} holds another run: continue from {start} in a new run folder "
                          f"(--trainer.experiment-name NEW --trainer.resume {start})")
+    check_state_fits(start, config)
     saved = saved_job(start)
     if saved is not None and saved != job:
         raise SystemExit(f"{start} is a checkpoint of model {saved['model']} on data {saved['data']}, but this launch "
                          f"trains model {job['model']} on data {job['data']}: choose another --trainer.experiment-name "
                          "for a new run, or give the checkpoint's model and data to resume it")
     return start
+
+
+# The settings a checkpoint's tensors depend on: with another value, the launch's model or optimizer has other
+# tensors than the checkpoint holds, and loading it fails (or, for the dtype, converts what was trained).
+STATE_SHAPING = ("actor.dtype", "actor.optimizer", "lora.rank", "lora.target_modules", "lora.exclude_modules")
+
+
+def check_state_fits(checkpoint: Path, config: dict | None) -> None:
+    """Refuse, before anything is written, a resume whose STATE_SHAPING settings differ from those of the launch
+    that saved `checkpoint` (its run's config.json), naming the flag and both values."""
+    saved = Path(checkpoint).parent.parent / "config.json"
+    if config is None or not saved.is_file():
+        return
+    saved, config = json.loads(saved.read_text()), json.loads(json.dumps(config, default=str))
+    for name in STATE_SHAPING:
+        section, key = name.split(".")
+        old, new = saved.get(section, {}).get(key), config[section][key]
+        if old is not None and old != new:
+            flag = f"--{section}.{key.replace('_', '-')}"
+            raise SystemExit(f"{checkpoint} was saved with {flag} {old}, this launch has {new}: its tensors do not "
+                             f"fit; resume with {flag} {old}, or give this run another --trainer.experiment-name")
 
 
 def saved_job(checkpoint: Path) -> dict | None:
@@ -309,13 +332,13 @@ def remove_unfinished(run_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
 
 
-def agree_on_resume_point(run_dir: Path, resume: str, job: dict) -> Path | None:
+def agree_on_resume_point(run_dir: Path, resume: str, job: dict, config: dict | None = None) -> Path | None:
     """find_resume_point decided on rank 0 and sent to every rank (collective), so that all ranks start from
     the same place; a refusal ends every rank with the same message."""
     decision: list = [None]
     if dist.get_rank() == 0:
         try:
-            decision = [find_resume_point(run_dir, resume, job)]
+            decision = [find_resume_point(run_dir, resume, job, config)]
         except SystemExit as refusal:
             decision = [refusal]
     dist.broadcast_object_list(decision, src=0)

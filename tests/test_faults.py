@@ -63,8 +63,10 @@ def the_error_line(output: str, *fragments: str) -> str:
 
 
 def assert_kept_by(run: Run, part: int) -> None:
-    """Every file that was in the run's folder before the part is there after it, byte for byte."""
+    """Every file that was in the run's folder before the part is there after it, byte for byte (but for the lock a
+    launch that trains holds, which names it: checkpoints.hold_run_folder)."""
     before, after = run.files(part, before=True), run.files(part)
+    before = {name: digest for name, digest in before.items() if Path(name).name != "launch.lock"}
     assert not [name for name in before if after.get(name) != before[name]], "changed or deleted"
 
 
@@ -335,6 +337,26 @@ def test_impossible_flags_are_named_before_anything_loads(runs):
                  "--data.video-fps 0.0 must be above 0"):
         assert flag in output, output
     assert not runs["impossible_flags"].files()  # nothing written, no model built
+
+
+@launched_run(nproc=1)
+def lora_rank_changed(folder):
+    """A 1-step LoRA run with a checkpoint, then the same run resumed with another --lora.rank."""
+    run = ["--lora.rank", "4", "--trainer.total-steps", "1", "--trainer.save-freq", "1", "--trainer.output-dir", folder,
+           "--trainer.experiment-name", "adapters", *SMALL]
+    return [run, Part([*run, "--lora.rank", "8", "--trainer.total-steps", "2"])]
+
+
+@uses_runs("lora_rank_changed")
+@pytest.mark.slow
+def test_a_resume_whose_flags_change_the_checkpoints_tensors_is_refused_before_anything_is_written(runs):
+    """--lora.rank 8 over a rank-4 checkpoint: one line naming the flag and both values, and the run folder (its
+    config.json too, which the merger reads) exactly as the first launch left it."""
+    run = runs["lora_rank_changed"]
+    the_error_line(run.output(1), "step_000001 was saved with --lora.rank 4, this launch has 8", "resume with "
+                   "--lora.rank 4")
+    assert_kept_by(run, 1)
+    assert json.loads((run.folder / "adapters" / "config.json").read_text())["lora"]["rank"] == 4
 
 
 UNLOADABLE = {"missing": ("--actor.model-path", "/no/such/model", "no such folder, and not a hub id"),
