@@ -3,7 +3,7 @@
 A run folder (`--trainer.output-dir`/`--trainer.experiment-name`):
 
     runs/toy/
-      launch.lock                 held by the launch that trains in the folder (which process: its text)
+      launch.lock                 an empty file, flock-ed by the launch that trains in the folder
       config.json                 the run's config (a resume lists the flags it changes)
       metrics.jsonl               one line per step; generations.jsonl: validation samples (plumbing/trackers.py)
       checkpoints/
@@ -34,7 +34,7 @@ Design decisions:
 - A checkpoint folder must be visible to every rank: multi-node runs need a shared filesystem for it.
 - One launch trains in a run folder at a time: its rank 0 holds an flock on `launch.lock` for as long as it runs (the
   kernel lets go when the process ends, however it ends: a killed run leaves nothing stuck), and a second launch
-  is refused at start-up, naming the first (its pid and host, written in the lock file).
+  is refused at start-up, naming the first (its pid and command, from the kernel's lock table).
 """
 
 import errno
@@ -353,29 +353,44 @@ _HELD: list = []  # the open lock file of the run folder this process trains in:
 def hold_run_folder(run_dir: Path) -> None:
     """Rank 0 takes the run folder's lock, or every rank ends with the same refusal naming the launch that holds it
     (collective, as agree_on_resume_point). A process trains in one folder at a time: a later run in the same
-    process (grpo.main called again) lets go of the lock of the one before."""
+    process (grpo.main called again) lets go of the lock of the one before. The lock file stays empty, so that a
+    launch that changes nothing (a finished run launched again) leaves the folder byte for byte as it was."""
     refusal: list = [None]
     while _HELD:
         _HELD.pop().close()
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(run_dir / "launch.lock", "a+")
+        lock = open(run_dir / "launch.lock", "a")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _HELD.append(lock)
         except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "another process"
+            holder = lock_holder(run_dir / "launch.lock")
             lock.close()
             refusal = [SystemExit(f"{run_dir} is in use by another launch ({holder}); wait for it to end, or give "
                                   "this one another --trainer.experiment-name")]
-        else:
-            lock.truncate(0)
-            lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            lock.flush()
-            _HELD.append(lock)
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
         raise refusal[0]
+
+
+def lock_holder(path: Path) -> str:
+    """Who holds the flock on `path`, from the kernel's table (/proc/locks: `N: FLOCK ADVISORY WRITE PID
+    MAJOR:MINOR:INODE ...`): its pid and command on this machine, or a launch elsewhere (a shared filesystem)."""
+    status = path.stat()
+    inode = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    try:
+        table = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        table = []
+    for fields in (line.split() for line in table):
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == inode:
+            try:
+                command = Path(f"/proc/{fields[4]}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                command = ""
+            return f"pid {fields[4]} on {socket.gethostname()}" + (f": {command[:120]}" if command else "")
+    return "a process on another machine, or one that just ended"
 
 
 def prepare_run_folder(run_dir: Path, config: dict, start: Path | None, say) -> None:
