@@ -309,7 +309,9 @@ def check_mixed_columns(rows: datasets.Dataset, files: list[Path]) -> None:
     and then reads every string of it as JSON text ("007" becomes 7, "1.50" 1.5, "true" True), so the answers a
     grader compares would no longer be the ones written. Names the file, the column and a line of each type."""
     mixed = [name for name, feature in rows.features.items() if isinstance(feature, datasets.Json)]
-    for file in (f for f in files if f.suffix in (".jsonl", ".json") and mixed):
+    if not mixed:
+        return
+    for file in (f for f in files if f.suffix in (".jsonl", ".json")):
         with open(file, encoding="utf-8") as handle:
             if file.suffix == ".jsonl":
                 lines = [(number, json.loads(line)) for number, line in enumerate(handle, 1) if line.strip()]

@@ -38,9 +38,9 @@ Design decisions:
 """
 
 import errno
+import fcntl
 import json
 import os
-import fcntl
 import random
 import shutil
 import socket
