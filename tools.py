@@ -23,14 +23,17 @@ Design decisions:
   prompt's, then the tools') are filled in by the loop and kept out of the schema: a lookup keyed by the row,
   a crop of the input image.
 - The parser is one function from a turn's text to its calls (PARSERS; Qwen's `<tool_call>` JSON by default).
-- Tools fail safely: a call that raises, runs past --rollout.tool-timeout, names no tool, has arguments the
-  function does not take, or returns something other than text or an image, gets an error message as its
-  result and is counted; --rollout.max-tool-errors of them end the episode.
+- Tools fail safely: a call that raises (sys.exit too), runs past --rollout.tool-timeout, names no tool, has
+  arguments the function does not take, or returns something other than text or an image the model can read, and a
+  turn the parser cannot read, get an error message as the result and are counted; --rollout.max-tool-errors of
+  them end the episode. A tool gets copies of the row and the images; its text is cut at RESULT_CHARS_PER_TOKEN
+  characters a token of the budget before it is rendered, and tokenized as plain text (control tokens in it are
+  characters the model reads).
 - All calls of a turn, over all the episodes of the rank, run at once, each in a daemon thread, and the turn
   waits at most the timeout. A call past its time is abandoned, not stopped (Python cannot kill a thread): it
-  runs on in the background and its result is dropped. A call stuck in C code that holds the GIL stalls the
-  rank regardless (the built-in calculator refuses powers of over 300 digits for this). A tool that must be
-  killed (untrusted code) runs its work in a subprocess of its own.
+  runs on in the background and its result is dropped; a tool with STRAY_CALLS of them is refused until they end.
+  A call stuck in C code that holds the GIL stalls the rank regardless (the built-in calculator refuses powers of
+  over 300 digits for this). A tool that must be killed (untrusted code) runs its work in a subprocess of its own.
 - Ranks take turns in lockstep: a turn is a collective for the hf engine (it gathers the FSDP2 weights) and for
   tensor-parallel vLLM, so a rank whose episodes are over joins the others' turns with nothing to generate.
 - The whole episode fits --rollout.max-response-length tokens, generated and given (an image counts as its
@@ -39,6 +42,7 @@ Design decisions:
 """
 
 import ast
+import copy
 import functools
 import importlib
 import importlib.util
@@ -50,6 +54,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +63,7 @@ import torch
 from PIL import Image
 
 from plumbing.collectives import all_reduce
+from plumbing.console import first_to_report
 from rollout import Response, RolloutConfig
 from vision import image_tokens
 
@@ -100,14 +106,15 @@ def parse_qwen(text: str) -> list[ToolCall]:
     for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
         try:
             call = json.loads(body)
-        except json.JSONDecodeError as error:
-            calls.append(ToolCall("", {}, f"the tool call is not JSON ({error.msg}): {body.strip()[:80]}"))
+        except (ValueError, RecursionError) as error:  # and a degenerate turn: 2,000 `[`, a 5,000-digit number
+            reason = error.msg if isinstance(error, json.JSONDecodeError) else f"{error}"[:80]
+            calls.append(ToolCall("", {}, f"the tool call is not JSON ({reason}): {body.strip()[:80]}"))
             continue
         arguments = call.get("arguments", {}) if isinstance(call, dict) else None
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 arguments = None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
             calls.append(ToolCall("", {}, 'a tool call is {"name": <function-name>, "arguments": <args-json-object>}'
@@ -184,7 +191,7 @@ def load_tools(spec: str) -> dict[str, Callable]:
         if spec.endswith(".py"):
             if not Path(spec).is_file():
                 raise ValueError(f"--rollout.tools {spec!r}: no such file (cwd: {Path.cwd()})")
-            module = _module_from_file(spec, "tools")
+            module = _module_from_file(spec, "tools", "--rollout.tools")
         else:
             try:
                 module = importlib.import_module(spec)
@@ -194,17 +201,24 @@ def load_tools(spec: str) -> dict[str, Callable]:
         functions = module.TOOLS if hasattr(module, "TOOLS") else [
             value for name, value in vars(module).items()
             if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_")]
+        if not isinstance(functions, (list, tuple)) or not all(inspect.isfunction(fn) for fn in functions):
+            raise ValueError(f"--rollout.tools {spec!r}: TOOLS must be a list of functions, got {functions!r:.80}")
     if not functions:
         raise ValueError(f"--rollout.tools {spec!r} defines no function: write `def my_tool(x: int) -> str:` there")
     return {fn.__name__: fn for fn in functions}
 
 
-def _module_from_file(path: str, prefix: str):
-    """The Python file at `path`, imported as the module `PREFIX_STEM`."""
+def _module_from_file(path: str, prefix: str, flag: str):
+    """The Python file at `path`, imported as the module `PREFIX_STEM`; an error in it is one line naming `flag`."""
     module_spec = importlib.util.spec_from_file_location(f"{prefix}_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module  # as importlib's recipe: pickle and dataclasses look modules up here
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        line = next((f", line {frame.lineno}" for frame in reversed(traceback.extract_tb(error.__traceback__))
+                     if frame.filename == str(Path(path).resolve()) or frame.filename == path), "")
+        raise ValueError(f"{flag} {path!r}: importing it raised {type(error).__name__}{line}: {error}") from None
     return module
 
 
@@ -237,8 +251,12 @@ class ToolResult:
     seconds: float = 0.0
 
 
-def call_tool(tools: dict[str, Callable], call: ToolCall, row: dict, images: list, images_ok: bool) -> ToolResult:
-    """One call, whatever it does: its result, or an error message the model reads in the tool turn."""
+def call_tool(tools: dict[str, Callable], call: ToolCall, row: dict, images: list, processor=None,
+              max_chars: int = 0) -> ToolResult:
+    """One call, whatever it does: its result, or an error message the model reads in the tool turn. The tool gets
+    copies of the row and the images (what it changes stays its own). `processor`: the model's (None: it reads
+    text only, so an image is an error; else an image must be one it takes). Text past `max_chars` is cut (0: none).
+    """
     start = time.perf_counter()
 
     def failed(error: str) -> ToolResult:
@@ -250,43 +268,85 @@ def call_tool(tools: dict[str, Callable], call: ToolCall, row: dict, images: lis
     if fn is None:
         return failed(f"no tool named {call.name!r}; the tools are {', '.join(tools)}")
     parameters = inspect.signature(fn).parameters
-    context = {k: v for k, v in (("row", row), ("images", images)) if k in parameters}
     if set(call.arguments) & set(INJECTED):
         return failed(f"{call.name} takes no argument {sorted(set(call.arguments) & set(INJECTED))}")
     try:
-        inspect.signature(fn).bind(**call.arguments, **context)
+        inspect.signature(fn).bind(**call.arguments, **dict.fromkeys(set(INJECTED) & set(parameters)))
     except TypeError as error:
         return failed(f"bad arguments for {call.name}: {error}")
+    context = {k: copy.deepcopy(v) if k == "row" else [image.copy() for image in v]
+               for k, v in (("row", row), ("images", images)) if k in parameters}
     try:
         value = fn(**call.arguments, **context)
-    except Exception as error:
+    except BaseException as error:  # SystemExit and KeyboardInterrupt too: raised by the tool, in its thread
         return failed(f"{call.name} raised {type(error).__name__}: {error}")
     parts = value if isinstance(value, list) else [value]
-    if not images_ok and any(isinstance(part, Image.Image) for part in parts):
-        return failed(f"{call.name} returned an image, but the model reads text only")
     if not parts or not all(isinstance(part, (str, Image.Image)) for part in parts):
         return failed(f"{call.name} returned {type(value).__name__} {value!r:.60}; a tool returns text, an image, or a "
                       "list of them")
-    return ToolResult(parts, seconds=time.perf_counter() - start)
+    for image in (part for part in parts if isinstance(part, Image.Image)):
+        if processor is None:
+            return failed(f"{call.name} returned an image, but the model reads text only")
+        try:
+            image_tokens(processor, image.size)
+        except ValueError as error:  # Qwen-VL: an aspect ratio of 200 or more
+            return failed(f"{call.name} returned an image of {image.width} x {image.height} pixels, which the model "
+                          f"cannot read: {error}")
+    return ToolResult(cut(parts, max_chars), seconds=time.perf_counter() - start)
 
 
-def run_calls(tools: dict[str, Callable], calls: list[tuple[ToolCall, dict, list]], timeout: float,
-              images_ok: bool) -> list[ToolResult]:
-    """Every (call, row, images) at once, one daemon thread each; a call still running after `timeout` seconds
-    (0: no limit) gets a timeout error and is left to finish in the background. `images_ok`: the model reads
-    images (else a tool's image is an error)."""
+def cut(parts: list, max_chars: int) -> list:
+    """The parts with their text cut to `max_chars` characters in all (0: as they are), the cut said where it is:
+    (["abcdef", "gh"], 4) -> ["abcd [... 4 more characters]"]."""
+    total = sum(len(part) for part in parts if isinstance(part, str))
+    if not max_chars or total <= max_chars:
+        return parts
+    kept, left = [], max_chars
+    for part in parts:
+        if isinstance(part, str):
+            if left == 0:
+                continue
+            part, left = part[:left], left - min(left, len(part))
+        kept.append(part)
+    last = max(i for i, part in enumerate(kept) if isinstance(part, str))
+    kept[last] += f" [... {total - max_chars} more characters]"
+    return kept
+
+
+RESULT_CHARS_PER_TOKEN = 8  # a tool turn's text is cut at this many characters per token of the episode's budget
+STRAY_CALLS = 64  # a tool's calls still running past their time limit; more and its next calls are refused
+_strays: dict[str, list[threading.Thread]] = {}  # per tool: its abandoned calls, until they end
+
+
+def run_calls(tools: dict[str, Callable], calls: list[tuple[ToolCall, dict, list]], timeout: float, processor=None,
+              max_chars: int = 0) -> list[ToolResult]:
+    """Every (call, row, images) at once, one daemon thread each (call_tool's `processor` and `max_chars`); a call
+    still running after `timeout` seconds (0: no limit) gets a timeout error and is left to finish in the
+    background. A tool with STRAY_CALLS such calls still running is not called until they end (an error instead),
+    so a tool that hangs holds a bounded number of threads."""
     results: list[ToolResult | None] = [None] * len(calls)
+    for name, threads in _strays.items():
+        threads[:] = [thread for thread in threads if thread.is_alive()]
 
     def work(i: int, call: ToolCall, row: dict, images: list) -> None:
-        results[i] = call_tool(tools, call, row, images, images_ok)
+        results[i] = call_tool(tools, call, row, images, processor, max_chars)
 
-    threads = [threading.Thread(target=work, args=(i, *c), daemon=True, name=f"tool-{i}") for i, c in enumerate(calls)]
+    threads = {}
+    for i, (call, row, images) in enumerate(calls):
+        if len(_strays.get(call.name, ())) >= STRAY_CALLS:
+            results[i] = ToolResult([f"error: {call.name} was not called: {STRAY_CALLS} earlier calls of it are still "
+                                     "running past their time limit"], "refused: earlier calls still running")
+        else:
+            threads[i] = threading.Thread(target=work, args=(i, call, row, images), daemon=True, name=f"tool-{i}")
     deadline = time.monotonic() + timeout
-    for thread in threads:
+    for thread in threads.values():
         thread.start()
-    for thread in threads:
+    for thread in threads.values():
         thread.join(max(0.0, deadline - time.monotonic()) if timeout else None)
     done = list(results)  # a call that finishes from now on changes nothing
+    for i, thread in threads.items():
+        if done[i] is None:
+            _strays.setdefault(calls[i][0].name, []).append(thread)
     return [result if result is not None else
             ToolResult([f"error: {call.name} ran past the time limit of {timeout:g} s"],
                        f"timed out after {timeout:g} s", timeout)
@@ -319,6 +379,11 @@ class ToolRollout:
             raise ValueError(f"the chat template does not close an assistant turn with the end token {end!r}; a "
                              "multi-turn rollout needs it to tell where a turn ends")
         self.after_end = self.head[self.head.rindex(end) + len(end):]
+        if self.schemas and self._render(CONVERSATION[:1], True) == self._render(CONVERSATION[:1], True, tools=False) \
+                and first_to_report("template ignores tools"):
+            print(f"warning: the chat template ignores `tools`, so the model is not shown the tools "
+                  f"({', '.join(tools)}) and knows them only from the prompt", file=sys.stderr, flush=True)
+        self.max_chars = RESULT_CHARS_PER_TOKEN * cfg.max_response_length
 
     def __getattr__(self, name: str):  # weights_version, sync_weights, sleep, shutdown: the engine's
         return getattr(self.engine, name)
@@ -341,7 +406,7 @@ class ToolRollout:
                     waiting.append((item, response, turn.token_ids[-1:] == [self.tokenizer.eos_token_id], calls))
             jobs = [(call, item["row"], item["images"] + response.images) for item, response, _, calls in waiting
                     for call in calls]
-            results = iter(run_calls(self.tools, jobs, cfg.tool_timeout, self.processor is not None))
+            results = iter(run_calls(self.tools, jobs, cfg.tool_timeout, self.processor, self.max_chars))
             live = [(item, response) for item, response, ended, calls in waiting
                     if self._add_tool_turn(response, [(call, next(results)) for call in calls], ended)]
             if all_reduce({"live": len(live)}, self.device, torch.distributed.ReduceOp.MAX)["live"] == 0:
@@ -362,7 +427,7 @@ class ToolRollout:
         episode = response.episode
         episode.turns = number
         text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
-        calls = self.parse(text)
+        calls = self._parse(text)
         episode.messages.append({"role": "assistant", "content": text, "tool_calls": [
             {"name": call.name, "arguments": call.arguments} for call in calls if not call.error]})
         if not calls:
@@ -388,12 +453,8 @@ class ToolRollout:
         if self.cfg.max_tool_errors and episode.tool_errors >= self.cfg.max_tool_errors:
             episode.stop_reason = "tool_errors"
             return False
-        text = self._render(CONVERSATION + messages, generation_prompt=True)
-        if not text.startswith(self.head):
-            raise ValueError("the chat template renders the start of a conversation differently once a tool turn "
-                             "follows, so a tool turn cannot be rendered on its own")
-        given = ("" if ended else self.tokenizer.eos_token) + self.after_end + text[len(self.head):]
-        ids = self.tokenizer(given, add_special_tokens=False)["input_ids"]
+        ids = self._tool_turn_ids([result.content for _, result in outcomes], [call.name for call, _ in outcomes],
+                                  ended)
         images = [part for _, result in outcomes for part in result.content if isinstance(part, Image.Image)]
         if self._length(response) + len(ids) + sum(image_tokens(self.processor, i.size) - 1 for i in images) \
                 >= self.cfg.max_response_length:
@@ -407,13 +468,49 @@ class ToolRollout:
         response.images += images
         return True
 
+    def _parse(self, text: str) -> list[ToolCall]:
+        """The turn's calls as --rollout.tool-parser reads them; a parser that raises on the turn (a degenerate
+        one: deep brackets, a huge number) gives one failed call the model is told of."""
+        try:
+            calls = self.parse(text)
+        except Exception as error:
+            return [ToolCall("", {}, f"the turn's tool calls could not be read: {type(error).__name__}: {error}"[:200])]
+        if not isinstance(calls, list) or not all(isinstance(call, ToolCall) for call in calls):
+            raise ValueError(f"--rollout.tool-parser {self.cfg.tool_parser!r} returned {calls!r:.80}; a parser returns "
+                             "a list of tools.ToolCall (empty: the turn calls no tool)")
+        return calls
+
+    def _tool_turn_ids(self, contents: list[list], names: list[str], ended: bool) -> list[int]:
+        """The ids of the tool turn that shows `contents` (each call's parts), after the template's end token when
+        the generated turn did not end with it. A result's text is tokenized as plain text: a control token's text
+        in it (`<|im_end|>`) is characters the model reads, not the end of the tool turn."""
+        texts = [part for parts in contents for part in parts if isinstance(part, str)]
+        marks = iter(range(len(texts)))
+        messages = [{"role": "tool", "name": name, "content": tool_content(
+            [f"\ue000{next(marks)}\ue001" if isinstance(part, str) else part for part in parts])}
+            for name, parts in zip(names, contents)]
+        text = self._render(CONVERSATION + messages, generation_prompt=True)
+        if not text.startswith(self.head):
+            raise ValueError("the chat template renders the start of a conversation differently once a tool turn "
+                             "follows, so a tool turn cannot be rendered on its own")
+        pieces = re.split("\ue000(\\d+)\ue001", ("" if ended else self.tokenizer.eos_token) + self.after_end +
+                          text[len(self.head):])
+        if pieces[1::2] != [str(i) for i in range(len(texts))]:
+            raise ValueError("the chat template does not show a tool's result once, as given, in the tool turn")
+        ids = []
+        for i, piece in enumerate(pieces):
+            plain = i % 2 == 1
+            ids += self.tokenizer(texts[int(piece)] if plain else piece, add_special_tokens=False,
+                                  split_special_tokens=plain)["input_ids"]
+        return ids
+
     def _length(self, response: Response) -> int:
         """The response's length in the engine's tokens: each image counts as the tokens it expands into."""
         return len(response.token_ids) + sum(image_tokens(self.processor, image.size) - 1 for image in response.images)
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: bool = True) -> str:
         renderer = self.processor if self.processor is not None else self.tokenizer
-        return renderer.apply_chat_template(messages, tools=self.schemas or None,
+        return renderer.apply_chat_template(messages, tools=self.schemas if tools and self.schemas else None,
                                             add_generation_prompt=generation_prompt, tokenize=False)
 
 
@@ -436,7 +533,7 @@ def load_parser(spec: str) -> Callable[[str], list[ToolCall]]:
     if not path.endswith(".py") or not Path(path).is_file():
         raise ValueError(f"--rollout.tool-parser {spec!r}: use a built-in ({', '.join(PARSERS)}) or "
                          "path/to/file.py:function")
-    module = _module_from_file(path, "tool_parser")
+    module = _module_from_file(path, "tool_parser", "--rollout.tool-parser")
     if not callable(getattr(module, name, None)):
         raise ValueError(f"--rollout.tool-parser {spec!r}: {path} has no function {name!r}")
     return getattr(module, name)

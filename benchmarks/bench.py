@@ -397,14 +397,14 @@ def tools_tables(args) -> None:
     print("| calls of a tool that waits 0.2 s | all at once (run_calls) | one after another |\n|---|---|---|")
     for count in (1, 16, 128):
         start = time.perf_counter()
-        run_calls(tools, [(call, {}, [])] * count, timeout=10, images_ok=False)
+        run_calls(tools, [(call, {}, [])] * count, timeout=10)
         together = time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(count):
-            call_tool(tools, call, {}, [], images_ok=False)
+            call_tool(tools, call, {}, [])
         print(f"| {count} | {together:.2f} s | {time.perf_counter() - start:.2f} s |")
     start = time.perf_counter()
-    run_calls({"wait": wait}, [(ToolCall("wait", {"seconds": 0.0}), {}, [])] * 256, timeout=10, images_ok=False)
+    run_calls({"wait": wait}, [(ToolCall("wait", {"seconds": 0.0}), {}, [])] * 256, timeout=10)
     print(f"\nThe threads' own cost: 256 calls of a tool that returns at once, {time.perf_counter() - start:.3f} s.")
     lines = job_steps(args, "toy_tools")
     keys = [k for k in lines[0] if k.startswith("timing/")] + ["episode/turns", "episode/tool_calls",

@@ -85,3 +85,29 @@ def test_the_toy_tools_preset_trains_two_steps(runs):
         assert m["rollout/logprob_diff_max"] < ENGINE_GAP
     # a random model's turns seldom begin with a digit, and any other turn is the toy parser's call: tool turns happen
     assert all(m["episode/tool_calls"] > 0.5 and m["episode/masked_share"] > 0.5 for m in metrics)
+    # the tiny models' chat template does not render `tools`: said once, over both ranks
+    assert runs["toy_tools_two_steps"].output().count("warning: the chat template ignores `tools`") == 1
+
+
+@launched_run()
+def hostile_tools(folder):
+    return ["toy_tools", "--actor.model-path", "tiny:qwen2_vl", "--rollout.engine", "hf",
+            "--rollout.tools", "tests/hostile_tools.py", "--rollout.tool-parser", "tests/hostile_tools.py:parse",
+            "--rollout.tool-timeout", "0.2", "--rollout.max-tool-errors", "0", "--rollout.max-turns", "4",
+            "--rollout.max-response-length", "1024", "--trainer.total-steps", "1", "--trainer.output-dir", folder,
+            "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.save-freq", "0",
+            "--trainer.no-save-final", *FAST]
+
+
+@uses_runs("hostile_tools")
+def test_tools_and_turns_that_do_everything_wrong_are_the_models_problem_not_the_runs(runs):
+    """tests/hostile_tools.py's tools hang (a rank's stray calls stay bounded: its parser would end the run
+    otherwise), return 20 MB of text (cut before it is rendered) or a 30000 x 2 image (refused: Qwen-VL reads no
+    aspect ratio of 200 or more), call sys.exit or raise KeyboardInterrupt; its turns are degenerate (2,000 `[`, a
+    5,000-digit number) or make the parser raise. The step finishes with every one of them a failed call the model
+    read, and no traceback: before, the first degenerate turn ended the run with a RecursionError."""
+    run = runs["hostile_tools"]
+    [metrics] = run.metrics("toy_tools")
+    assert metrics["episode/tool_errors"] > 3 and metrics["episode/turns"] > 2
+    assert 0 < metrics["episode/tool_calls"] - metrics["episode/tool_errors"] < 1  # only `huge` succeeds, cut
+    assert "Traceback" not in run.output() and "error:" not in run.output()

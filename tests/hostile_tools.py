@@ -1,0 +1,69 @@
+"""Tools and a tool-call parser that do what a tool or a model's turn can do wrong, for a run of the toy tool task
+(tests/test_tool_episodes.py: `--rollout.tools tests/hostile_tools.py --rollout.tool-parser
+tests/hostile_tools.py:parse`). Each turn, in turn, is one of TURNS: a tool that hangs (many calls at once), one
+that returns 20 MB of text, a 30000 x 2 image, sys.exit or KeyboardInterrupt, a degenerate turn (2,000 `[`, a
+5,000-digit number) read by Qwen's parser, a parser that raises. The run must go on, every one of them a failed
+call the model reads. The parser trips the run (a SystemExit, which no layer takes for the model's problem) when
+the rank holds more than THREADS threads: the hanging tool's calls must stay bounded.
+"""
+
+import itertools
+import sys
+import threading
+
+from PIL import Image
+
+import tools
+from tools import ToolCall, parse_qwen
+
+tools.STRAY_CALLS = 8  # a hanging tool is refused after its first turn's calls: 2 episodes x HANGING per rank
+HANGING = 6
+THREADS = 20  # the main thread, a few of the libraries', and at most 12 stray calls; without the bound: 12 a turn
+
+
+def hang() -> str:
+    """Never answer."""
+    threading.Event().wait()
+    return ""
+
+
+def huge() -> str:
+    """Answer at length."""
+    return "x" * 20_000_000
+
+
+def strip() -> Image.Image:
+    """A picture too thin to read."""
+    return Image.new("RGB", (30000, 2))
+
+
+def exits() -> str:
+    """Leave."""
+    sys.exit(3)
+
+
+def interrupts() -> str:
+    """Be interrupted."""
+    raise KeyboardInterrupt
+
+
+TOOLS = [hang, huge, strip, exits, interrupts]
+
+
+def raises(text: str) -> list[ToolCall]:
+    raise RecursionError("maximum recursion depth exceeded")
+
+
+DEGENERATE = ["<tool_call>" + "[" * 2000 + "</tool_call>",
+              '<tool_call>{"name": "huge", "arguments": {"n": ' + "9" * 5000 + "}}</tool_call>"]
+TURNS = [lambda text: [ToolCall("hang", {})] * HANGING, *[lambda text, name=name: [ToolCall(name, {})]
+                                                          for name in ("huge", "strip", "exits", "interrupts")],
+         *[lambda text, turn=turn: parse_qwen(turn) for turn in DEGENERATE], raises]
+_turns = itertools.count()
+
+
+def parse(text: str) -> list[ToolCall]:
+    live = threading.active_count()
+    if live > THREADS:
+        raise SystemExit(f"hostile_tools: {live} threads on this rank: the tool calls past their time are not bounded")
+    return TURNS[next(_turns) % len(TURNS)](text)
