@@ -128,6 +128,10 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, advantage_
         problems.append(f"--actor.max-tokens-per-micro-batch {cfg.actor.max_tokens_per_micro_batch} must hold the "
                         "longest sequence, --data.max-prompt-length + --rollout.max-response-length = "
                         f"{longest} tokens")
+    if cfg.actor.dtype == "bfloat16" and cfg.actor.optimizer == "adamw":
+        problems.append("--actor.dtype bfloat16 with --actor.optimizer adamw: torch's AdamW rounds each update to the "
+                        "nearest bf16, and at a small learning rate (1e-6) most weights never move; use "
+                        "--actor.optimizer adamw_bf16 (stochastic rounding) or --actor.dtype float32")
     if cfg.actor.offload_while_generating and cfg.rollout.engine == "hf":
         problems.append("--actor.offload-while-generating: the hf engine generates with the actor itself; use "
                         "--rollout.engine vllm or drop the flag")

@@ -10,8 +10,11 @@ Design decisions:
   (4 bytes per parameter), and does the arithmetic of each update in fp32: the moments are read up to fp32,
   updated, and rounded back; the parameter is updated in fp32 and written in its own dtype. With fp32
   parameters only the moments are rounded (relative error ~2^-8 per step, which AdamW's normalisation keeps
-  from adding up); with bf16 parameters (`--actor.dtype bfloat16`), an update smaller than a parameter's bf16
-  resolution is lost, the known price of bf16 master weights.
+  from adding up); bf16 parameters (`--actor.dtype bfloat16`) are written with stochastic rounding
+  (stochastic_bf16). Rounded to the nearest bf16 instead, an update below half a weight's bf16 step is lost: at
+  lr 1e-6 every weight above ~2.4e-4 and every norm weight (~1.0), about 98% of a model's weights, would never
+  move while the losses look normal (tests/test_optimizer.py measures it). torch's AdamW on bf16 parameters
+  rounds so; the config check refuses that pair.
 - Under FSDP2 the parameters and moments are sharded DTensors; the update works on each rank's local shard,
   elementwise, so it needs no communication, and the moments stay DTensors so distributed checkpoints save
   and reshard them like torch's.
@@ -30,6 +33,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def stochastic_bf16(values: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """fp32 `values` rounded to a neighbouring bf16 at random, the nearer one the likelier, so that the expected
+    result is the value itself: an update far below a weight's bf16 step still moves it on average. bf16 is the
+    top 16 bits of fp32: add 16 random low bits, then cut them. Example: 1 + 2^-9, a quarter of bf16's step of
+    2^-7 above 1, becomes 1 + 2^-7 with chance 1/4, else 1."""
+    noise = torch.randint(0, 1 << 16, values.shape, dtype=torch.int32, device=values.device, generator=generator)
+    return ((values.contiguous().view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
 class AdamWBF16States(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments) with moments stored in bf16, computed in fp32.
 
@@ -37,7 +49,9 @@ class AdamWBF16States(torch.optim.Optimizer):
         m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
         p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
     the same formula as torch.optim.AdamW; example, first step with g = 0.1, lr 0.1, no decay: m/(1 - b1) = 0.1,
-    sqrt(v/(1 - b2)) = 0.1, so p moves by -0.1 (eps aside).
+    sqrt(v/(1 - b2)) = 0.1, so p moves by -0.1 (eps aside). A bf16 parameter is written with stochastic rounding,
+    its random bits drawn from a generator seeded by the step and the parameter's place (a resumed run draws the
+    same ones).
     """
 
     state_dtype = torch.bfloat16  # the moments' storage; the arithmetic is fp32 whatever it is
@@ -56,9 +70,9 @@ class AdamWBF16States(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        for group in self.param_groups:
+        for number, group in enumerate(self.param_groups):
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for param in group["params"]:
+            for index, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
                 state = self.state[param]
@@ -77,6 +91,9 @@ class AdamWBF16States(torch.optim.Optimizer):
                 weights = _local(param)
                 step_size = lr / (1 - beta1**step)
                 updated = weights.float().mul_(1 - lr * decay).addcdiv_(exp_avg, denominator, value=-step_size)
+                if weights.dtype == torch.bfloat16:
+                    seed = hash((int(step), number, index))  # ints hash alike in every process
+                    updated = stochastic_bf16(updated, torch.Generator(weights.device).manual_seed(seed))
                 weights.copy_(updated)
 
 

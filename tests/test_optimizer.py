@@ -9,7 +9,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_utils import load_sharded_model, move_training_state
-from plumbing.optimizer import AdamWBF16States, build_optimizer
+from plumbing.optimizer import AdamWBF16States, build_optimizer, stochastic_bf16
 from plumbing.tiny import build_tiny_model
 
 
@@ -102,6 +102,62 @@ def test_bf16_master_weights_train_in_bf16(tmp_path, world_of_one):
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert all(s["exp_avg"].dtype == torch.bfloat16 for s in optimizer.state.values())
     assert all(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+
+
+def test_stochastic_rounding_by_hand():
+    """1 + 2^-9 is a quarter of bf16's step (2^-7) above 1: it becomes 1 + 2^-7 a quarter of the time, else 1; the
+    mean is the value itself. A bf16 value stays as it is; negative values round alike; inf stays inf."""
+    values = torch.full((400_000,), 1 + 2**-9)
+    rounded = stochastic_bf16(values, torch.Generator().manual_seed(0))
+    assert rounded.dtype == torch.bfloat16 and set(rounded.float().unique().tolist()) == {1.0, 1 + 2**-7}
+    assert (rounded == 1 + 2**-7).float().mean().item() == pytest.approx(0.25, abs=0.005)
+    assert rounded.double().mean().item() == pytest.approx(1 + 2**-9, abs=2**-7 * 0.005)
+    exact = torch.tensor([1.0, -2.5, 0.0, 3 * 2.0**-20, float("inf")])
+    assert torch.equal(stochastic_bf16(exact), exact.bfloat16())
+    assert stochastic_bf16(-values[:100_000]).double().mean().item() == pytest.approx(-(1 + 2**-9), abs=2**-7 * 0.01)
+
+
+def test_bf16_weights_move_at_a_small_learning_rate_as_fp32_master_weights_do():
+    """lr 1e-6, 20 steps of a constant gradient: AdamW moves every weight by ~1e-6 a step. fp32 master weights:
+    every weight changes at every step. bf16 weights rounded to the nearest (torch's AdamW, and this optimizer
+    before stochastic rounding): about 2% change at all, only those below ~2.4e-4 (a bf16 step of 1.2e-4 at 0.02),
+    and the mean move is a small part of what it should be. bf16 weights with stochastic rounding: a few change at
+    each step, but their mean move is the fp32 one (within 5%), so the model moves as trained."""
+    torch.manual_seed(0)
+    start = torch.randn(65_536) * 0.02
+    fp32 = torch.nn.Parameter(start.clone())
+    bf16 = torch.nn.Parameter(start.bfloat16())
+    nearest = torch.nn.Parameter(start.bfloat16())
+    optimizers = [AdamWBF16States([p], lr=1e-6, weight_decay=0.0) for p in (fp32, bf16)]
+    reference = torch.optim.AdamW([nearest], lr=1e-6, weight_decay=0.0)
+    changed = {"fp32": [], "nearest": []}
+    for _ in range(20):
+        before = {"fp32": fp32.detach().clone(), "nearest": nearest.detach().clone()}
+        for p in (fp32, bf16, nearest):
+            p.grad = torch.ones_like(p)
+        for optimizer in [*optimizers, reference]:
+            optimizer.step()
+        changed["fp32"].append((fp32 != before["fp32"]).float().mean().item())
+        changed["nearest"].append((nearest != before["nearest"]).float().mean().item())
+    moved = {name: (p.detach().double() - start.bfloat16().double()).mean().item()
+             for name, p in (("bf16", bf16), ("nearest", nearest))}
+    fp32_moved = (fp32.detach().double() - start.double()).mean().item()
+    assert fp32_moved == pytest.approx(-20e-6, rel=0.01) and min(changed["fp32"]) == 1.0
+    assert max(changed["nearest"]) < 0.05 and abs(moved["nearest"]) < 0.2 * abs(fp32_moved)
+    assert moved["bf16"] == pytest.approx(fp32_moved, rel=0.05)
+
+
+def test_a_resumed_bf16_step_draws_the_same_rounding():
+    """The rounding's random bits come from the step count and the parameter's place: two optimizers at the same
+    step write the same bf16 weights (a resumed run continues as the straight one)."""
+    results = []
+    for _ in range(2):
+        p = torch.nn.Parameter((torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16())
+        p.grad = torch.ones_like(p)
+        AdamWBF16States([p], lr=1e-6).step()
+        results.append(p.detach().clone())
+    assert torch.equal(*results) and not torch.equal(results[0], (torch.randn(
+        4096, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16())
 
 
 def test_offloading_moves_every_model_tensor_and_moment(tmp_path, world_of_one):

@@ -82,8 +82,9 @@ def test_three_steps_end_to_end(runs):
 @launched_run()
 def bf16_resumed(folder):
     """2 steps, then a launch that resumes and trains a third, validating on one prompt."""
-    args = ["--actor.dtype", "bfloat16", "--trainer.output-dir", folder, "--trainer.save-freq", "2",
-            "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--rollout.engine", "hf", *FAST, *SIGNAL]
+    args = ["--actor.dtype", "bfloat16", "--actor.optimizer", "adamw_bf16", "--trainer.output-dir", folder,
+            "--trainer.save-freq", "2", "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--rollout.engine",
+            "hf", *FAST, *SIGNAL]
     one = folder / "one.jsonl"
     one.write_text(json.dumps({"problem": "3337777", "answer": "7"}) + "\n")
     return [[*args, "--trainer.total-steps", "2"],
@@ -94,9 +95,9 @@ def bf16_resumed(folder):
 @uses_runs("bf16_resumed")
 @pytest.mark.slow
 def test_bf16_weights_train_and_resume(runs):
-    """--actor.dtype bfloat16 end to end (hf engine: the trainer's own bf16 model samples): 2 steps, a resumed third,
-    the final folder in bf16. The resumed launch validates on one prompt: rank 1 holds none, and reduces the same
-    metrics (no hang)."""
+    """--actor.dtype bfloat16 --actor.optimizer adamw_bf16 end to end (hf engine: the trainer's own bf16 model
+    samples; the weights written with stochastic rounding): 2 steps, a resumed third, the final folder in bf16. The
+    resumed launch validates on one prompt: rank 1 holds none, and reduces the same metrics (no hang)."""
     run = runs["bf16_resumed"]
     output = run.output(1)
     assert "resumed from" in output and "step_000002" in output
@@ -232,6 +233,8 @@ INVALID_CONFIGS = {
     "budget": (["--actor.max-tokens-per-micro-batch", "100"], "must hold the longest sequence"),
     "hf_offload": (["--rollout.engine", "hf", "--actor.offload-while-generating"],
                    "the hf engine generates with the actor itself"),
+    "bf16_nearest": (["--actor.dtype", "bfloat16"], "--actor.dtype bfloat16 with --actor.optimizer adamw: torch's "
+                     "AdamW rounds each update to the nearest bf16"),
 }
 
 
