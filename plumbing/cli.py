@@ -132,6 +132,10 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, advantage_
         problems.append("--actor.dtype bfloat16 with --actor.optimizer adamw: torch's AdamW rounds each update to the "
                         "nearest bf16, and at a small learning rate (1e-6) most weights never move; use "
                         "--actor.optimizer adamw_bf16 (stochastic rounding) or --actor.dtype float32")
+    if cfg.actor.offload_while_generating and cfg.actor.fsdp_cpu_offload:
+        problems.append("--actor.offload-while-generating with --actor.fsdp-cpu-offload: FSDP2's CPU offload already "
+                        "keeps the parameters, gradients and AdamW states in host memory (and moving its model to the "
+                        "GPU puts the shards straight back); drop --actor.offload-while-generating")
     if cfg.actor.offload_while_generating and cfg.rollout.engine == "hf":
         problems.append("--actor.offload-while-generating: the hf engine generates with the actor itself; use "
                         "--rollout.engine vllm or drop the flag")

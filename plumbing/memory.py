@@ -247,9 +247,10 @@ def _advice(phase: str, items: dict[str, int], e: MemoryEstimate, options: dict)
                       "no reference model)")
         if options.get("moment_bytes", 8) > 4:
             advice.append("`--actor.optimizer adamw_bf16` (bf16 AdamW moments: 4 bytes per parameter less)")
-    if not options.get("cpu_offload"):
-        advice.append("`--actor.fsdp-cpu-offload` (parameters, gradients and AdamW states in host memory for the whole "
-                      "run; slow)")
+    if not options.get("cpu_offload"):  # the two offloads do not go together (plumbing/cli.py refuses the pair)
+        instead = " in place of `--actor.offload-while-generating`" if options.get("offload_while_generating") else ""
+        advice.append(f"`--actor.fsdp-cpu-offload`{instead} (parameters, gradients and AdamW states in host memory for "
+                      "the whole run; slow)")
     if REFERENCE in items:
         advice.append("`--algorithm.no-use-kl-loss` (and no KL in the reward) drops the reference model")
     return advice

@@ -210,6 +210,10 @@ def test_a_refusal_leaves_out_the_memory_flags_already_set():
     with_lora = refusal(lora=True, micro_batch_size=256)
     assert "--lora.rank" not in with_lora and "adamw_bf16" not in with_lora and "--actor.fsdp-cpu-offload" in with_lora
     assert "--actor.fsdp-cpu-offload" not in refusal(cpu_offload=True, micro_batch_size=256)
+    # FSDP2's CPU offload is offered in place of offloading while generating, never beside it (a refused pair)
+    offloading = refusal(offload_while_generating=True, micro_batch_size=256)
+    assert "`--actor.fsdp-cpu-offload` in place of `--actor.offload-while-generating`" in offloading
+    assert "`--actor.fsdp-cpu-offload` in place" not in refusal(micro_batch_size=256)
 
 
 def test_a_vllm_budget_too_small_for_its_weights_is_refused_until_tensor_parallelism_splits_them():

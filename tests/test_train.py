@@ -233,6 +233,8 @@ INVALID_CONFIGS = {
     "budget": (["--actor.max-tokens-per-micro-batch", "100"], "must hold the longest sequence"),
     "hf_offload": (["--rollout.engine", "hf", "--actor.offload-while-generating"],
                    "the hf engine generates with the actor itself"),
+    "two_offloads": (["--actor.offload-while-generating", "--actor.fsdp-cpu-offload"],
+                     "--actor.offload-while-generating with --actor.fsdp-cpu-offload: FSDP2's CPU offload already"),
     "bf16_nearest": (["--actor.dtype", "bfloat16"], "--actor.dtype bfloat16 with --actor.optimizer adamw: torch's "
                      "AdamW rounds each update to the nearest bf16"),
 }
