@@ -9,7 +9,8 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
 (2p with torch's AdamW, 4 with --actor.optimizer adamw_bf16). What is resident at each point of a step must fit:
 - rollout (the engine generates, the trainer waits):
     actor: params + AdamW's m and v, sharded: (p + m)P/W, fp32: 12P/W (no gradients: zero_grad(set_to_none=True))
-    reference (only with KL): bf16 params, sharded: 2P/W
+    reference (only with KL): bf16 params, sharded: 2P/W; the reward model (--reward.model, R parameters) likewise:
+      2R/W, resident as the reference is in every phase (it scores beside the engine's whole budget)
     (both 0 with --actor.offload-while-generating or --actor.fsdp-cpu-offload: they wait in host memory;
     LoRA: 2P/W, the frozen bf16 base, in every phase, and no reference: the base with its adapters off is one)
     vLLM: its whole budget, gpu_memory_utilization x GPU memory, on top of what the process holds (vLLM
@@ -37,6 +38,8 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
       logits, their fp32 copy, the log-softmax's fp32 intermediate, the fp32 and bf16 gradients): the output head
       runs a chunk at a time, never on all T tokens
     vLLM's CUDA graphs (1 GiB), overhead: 2 GiB
+- an evaluation (--trainer.val-only) has no training phase, no reference and no AdamW states: the actor is its
+  params, pP/W (LoRA: 2P/W), in the rollout and sync phases
 Design decisions:
 - It runs at start-up, before any weights load: a run that cannot fit fails in seconds with the flags to
   change, not with a CUDA OOM after minutes of loading. The config is all it needs; the parameter counts
@@ -65,12 +68,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from plumbing.tiny import model_class
+from plumbing.tiny import model_class, resolve_model
 
 GiB = 2**30
 CHUNK_TOKENS = 1024  # response tokens per output-head chunk (logprobs.py): 1024 x 152k vocabulary x 4 bytes = 0.6 GB
 OVERHEAD = "CUDA context, NCCL, fragmentation"
 REFERENCE = "reference: bf16 params"
+REWARD_MODEL = "reward model: bf16 params"
 VLLM = "vLLM: weights + KV cache budget"
 VLLM_WEIGHTS = "vLLM: bf16 weights (reloading)"
 VLLM_GRAPHS = "vLLM: CUDA graphs (kept while asleep)"
@@ -156,21 +160,23 @@ class MemoryEstimate:
     __str__ = table
 
     def summary(self) -> str:
-        return (f"memory estimate per GPU (plumbing/memory.py): rollout {self.rollout_total / GiB:.1f} GiB, training "
-                f"{self.training_total / GiB:.1f} GiB, of {self.gpu_bytes / GiB:.1f} GiB")
+        training = f", training {self.training_total / GiB:.1f} GiB" if self.training else " (an evaluation)"
+        return (f"memory estimate per GPU (plumbing/memory.py): rollout {self.rollout_total / GiB:.1f} GiB{training}, "
+                f"of {self.gpu_bytes / GiB:.1f} GiB")
 
 
 def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, micro_batch_size: int, max_seq_len: int,
                     gradient_checkpointing: bool, engine: str = "vllm", gpu_memory_utilization: float = 0.5,
                     tensor_parallel_size: int = 1, max_tokens_per_micro_batch: int = 0, param_bytes: int = 4,
                     moment_bytes: int = 8, cpu_offload: bool = False, offload_while_generating: bool = False,
-                    lora: bool = False, enforce_eager: bool = False, sequence_parallel_size: int = 1
-                    ) -> MemoryEstimate:
+                    lora: bool = False, enforce_eager: bool = False, sequence_parallel_size: int = 1,
+                    evaluation: bool = False, reward_model_params: int = 0) -> MemoryEstimate:
     """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
 
     Example: P = 1e9 on W = 4 GPUs with KL, fp32 AdamW -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
     training actor 4e9 (16P/W); V = 151936 -> logits of one 1024-token chunk 1.6e9 bytes. Sequence parallelism
     over N = 4: the activations of a micro-batch of T tokens are those of T/4 (each rank holds a quarter of the row).
+    `evaluation`: --trainer.val-only (no training phase, the actor its params only); `reward_model_params`: R.
     """
     P, root, layer = _parameter_counts(model_config)
     text = model_config.get_text_config()  # a VLM's language model; a text model's own config
@@ -179,10 +185,14 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     T, W = max_tokens_per_micro_batch or micro_batch_size * max_seq_len, world_size
     on_gpu = 0 if cpu_offload else 1
     resident = 0 if cpu_offload or offload_while_generating else 1  # while the engine generates
-    reference = {REFERENCE: 2 * P // W} if kl and not lora else {}  # LoRA: the base is the reference
+    frozen = {REFERENCE: 2 * P // W} if kl and not lora and not evaluation else {}  # LoRA: the base is the reference
+    if reward_model_params:
+        frozen[REWARD_MODEL] = 2 * reward_model_params // W
     state_bytes, training_bytes = param_bytes + moment_bytes, 2 * param_bytes + moment_bytes  # per parameter
     if lora:  # the frozen base in bf16, no gradients or moments for it (the adapters' few are left out)
         state_bytes = training_bytes = 2
+    elif evaluation:  # no optimizer step, so no moments
+        state_bytes = param_bytes
     graphs = {VLLM_GRAPHS: GiB} if engine == "vllm" and not enforce_eager else {}
     if engine == "vllm":
         engine_items = {VLLM: int(gpu_memory_utilization * gpu_bytes)}
@@ -203,16 +213,16 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     held = -(-T // sequence_parallel_size)  # tokens of a micro-batch on each rank
     activations = held * (2 * h * L + layer_activations) if gradient_checkpointing else held * L * layer_activations
     rollout = {ACTOR_STATE: resident * state_bytes * P // W,
-               **{k: resident * v for k, v in reference.items()}, **engine_items, OVERHEAD: 2 * GiB}
-    sync = {ACTOR_STATE: on_gpu * state_bytes * P // W, **{k: on_gpu * v for k, v in reference.items()},
+               **{k: resident * v for k, v in frozen.items()}, **engine_items, OVERHEAD: 2 * GiB}
+    sync = {ACTOR_STATE: on_gpu * state_bytes * P // W, **{k: on_gpu * v for k, v in frozen.items()},
             VLLM_WEIGHTS: 2 * P // tensor_parallel_size, STREAMED: 2 * h * max(V, I), **graphs,
             OVERHEAD: 2 * GiB} if engine == "vllm" else {}
     training = {ACTOR_STATE + " + grads": on_gpu * training_bytes * P // W,
-                **{k: on_gpu * v for k, v in reference.items()},
+                **{k: on_gpu * v for k, v in frozen.items()},
                 "gathered bf16 units: root + 2 layers": 2 * (root + 2 * layer),
                 GRADIENTS: 0 if lora else 2 * (root + 2 * layer) + 4 * max(root, layer),
                 ACTIVATIONS + (" (checkpointed)" if gradient_checkpointing else ""): activations,
-                LOGITS: min(held, CHUNK_TOKENS) * V * 16, **graphs, OVERHEAD: 2 * GiB}
+                LOGITS: min(held, CHUNK_TOKENS) * V * 16, **graphs, OVERHEAD: 2 * GiB} if not evaluation else {}
     return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs)
 
 
@@ -283,8 +293,12 @@ def check_memory(model_config, **options) -> MemoryEstimate:
 
 def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> MemoryEstimate:
     """check_memory with a grpo.py run's settings (`cfg` is its Config), called at start-up on GPU."""
+    reward_model = resolve_model(cfg.reward.model, cfg.trainer.output_dir)  # built already, by grpo.main
     return check_memory(AutoConfig.from_pretrained(model_path), world_size=world_size, gpu_bytes=gpu_bytes,
                         kl=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+                        evaluation=cfg.trainer.val_only,
+                        reward_model_params=count_parameters(AutoConfig.from_pretrained(reward_model))
+                        if reward_model else 0,
                         # a micro-batch holds at most a rank's share of the rollout batch, whatever the flag says
                         micro_batch_size=min(cfg.actor.micro_batch_size, cfg.trainer.rollout_batch_size *
                                              cfg.rollout.n * cfg.actor.sequence_parallel_size // world_size),

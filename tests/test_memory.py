@@ -8,8 +8,8 @@ import pytest
 from transformers import Qwen2Config
 
 import plumbing.memory as memory
-from plumbing.memory import (ACTIVATIONS, ACTOR_STATE, GRADIENTS, LOGITS, OVERHEAD, REFERENCE, STREAMED, VLLM,
-                             VLLM_GRAPHS, VLLM_WEIGHTS, GiB, check_memory, count_parameters, estimate_memory,
+from plumbing.memory import (ACTIVATIONS, ACTOR_STATE, GRADIENTS, LOGITS, OVERHEAD, REFERENCE, REWARD_MODEL, STREAMED,
+                             VLLM, VLLM_GRAPHS, VLLM_WEIGHTS, GiB, check_memory, count_parameters, estimate_memory,
                              gpus_needed, hardware_table)
 
 QWEN_7B = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -180,6 +180,29 @@ def test_7b_on_one_gpu_is_refused_naming_the_training_phase_and_more_gpus():
     assert "--nproc_per_node" in message and "--algorithm.no-use-kl-loss" in message
 
 
+def test_an_evaluation_of_7b_on_one_gpu_fits_where_its_training_does_not():
+    """--trainer.val-only: no training phase, no reference, no AdamW moments; the actor's fp32 params (4P = 30.5e9
+    bytes) beside vLLM's 40e9-byte budget and 2 GiB fit 80e9 bytes. The same run trained was refused above."""
+    e = check_memory(QWEN_7B, world_size=1, gpu_bytes=GPU_80GB, gradient_checkpointing=False, evaluation=True, **RUN)
+    P = count_parameters(QWEN_7B)
+    assert e.training == {} and REFERENCE not in e.rollout and e.rollout[ACTOR_STATE] == 4 * P
+    assert e.rollout_total == 4 * P + int(0.5 * GPU_80GB) + 2 * GiB and "(an evaluation)" in e.summary()
+
+
+def test_a_reward_model_counts_in_every_phase_as_the_reference_does():
+    """--reward.model with R parameters on W GPUs: 2R/W bytes in each phase (bf16, sharded), beside the engine's
+    whole budget while it scores; offloaded while generating as the reference is."""
+    R, W = count_parameters(QWEN_1_5B), 8
+    e = estimate_memory(QWEN_7B, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=True,
+                        reward_model_params=R, **RUN)
+    assert e.rollout[REWARD_MODEL] == e.sync[REWARD_MODEL] == e.training[REWARD_MODEL] == 2 * R // W
+    without = estimate_memory(QWEN_7B, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=True, **RUN)
+    assert e.rollout_total - without.rollout_total == 2 * R // W
+    offloaded = estimate_memory(QWEN_7B, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=True,
+                                reward_model_params=R, offload_while_generating=True, **RUN)
+    assert offloaded.rollout[REWARD_MODEL] == 0 and offloaded.training[REWARD_MODEL] == 2 * R // W
+
+
 def test_1_5b_on_eight_gpus_is_accepted():
     e = check_memory(QWEN_1_5B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
     assert max(e.rollout_total, e.training_total) <= GPU_80GB
@@ -263,6 +286,14 @@ def test_the_trainer_passes_its_flags_to_the_check(tmp_path):
     assert check_run_memory(cfg, str(tmp_path), world_size=256, gpu_bytes=GPU_80GB) == estimate_memory(
         QWEN_7B, world_size=256, gpu_bytes=GPU_80GB, kl=False, micro_batch_size=2, max_seq_len=2048,
         gradient_checkpointing=False, engine="hf")
+    # an evaluation with a reward model: both reach the estimate
+    Qwen2Config(**{**QWEN_1_5B.to_dict(), "architectures": ["Qwen2ForSequenceClassification"], "num_labels": 1}
+                ).save_pretrained(tmp_path / "reward")
+    cfg.trainer.val_only, cfg.reward.model = True, str(tmp_path / "reward")
+    assert check_run_memory(cfg, str(tmp_path), world_size=256, gpu_bytes=GPU_80GB) == estimate_memory(
+        QWEN_7B, world_size=256, gpu_bytes=GPU_80GB, kl=False, micro_batch_size=2, max_seq_len=2048,
+        gradient_checkpointing=False, engine="hf", evaluation=True,
+        reward_model_params=count_parameters(QWEN_1_5B) + QWEN_1_5B.hidden_size)  # its score head, not the LM head
 
 
 def test_an_offloading_run_is_checked_where_the_state_meets_the_engine_weights():
