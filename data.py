@@ -39,7 +39,10 @@ Design decisions:
 - Videos too: their files are decoded with PyAV (FFmpeg's decoders and a container's own frame count and rate,
   in a wheel bound to no torch version, unlike torchcodec; decord is unmaintained and torchvision 0.28 has no
   reader), `--data.video-fps` frames a second are kept, uniformly, up to `--data.max-frames`, and each is resized
-  like an image. A video's tokens are counted from its container's frame count, rate and size, without decoding.
+  like an image. A video's tokens are counted from its container's frame count, rate and size; at the same time each
+  file is checked without being decoded in full (every packet read, the first frame decoded: probe_video), so that a
+  file cut short is refused at start-up, not when its row is first drawn. A video's frames are one size: frames of
+  two sizes are refused, not stretched to one.
 - Dataset text is text: a row whose prompt holds a control token of the tokenizer (`<|im_end|>`, an image
   placeholder) is refused rather than tokenized as one, which would let the data end the user's turn in the
   model's input. Splitting the rendered prompt to tokenize the row's text without specials would tokenize
@@ -625,6 +628,9 @@ def frame_indices(total: int, fps: float, video_fps: float, max_frames: int) -> 
     return np.linspace(0, total - 1, count).round().astype(int).tolist()
 
 
+REPLACE = "re-encode it (ffmpeg -i IN OUT), give its frames as a list of images, or drop the row"
+
+
 def video_folder(cfg: DataConfig) -> tuple[str, str]:
     """(the folder relative video paths and frame paths are joined with, the flag that names it)."""
     return (cfg.video_dir, "--data.video-dir") if cfg.video_dir else (cfg.image_dir, "--data.image-dir")
@@ -648,39 +654,68 @@ def open_video(value, cfg: DataConfig, where: str):
         raise ValueError(f"{where}: cannot read video {description}: {error}") from error
     with container:
         if not container.streams.video:
-            raise ValueError(f"{where}: video {description} has no video stream")
+            kinds = ", ".join(stream.type for stream in container.streams) or "none"
+            raise ValueError(f"{where}: video {description} has no video stream (its streams: {kinds}): not a "
+                             f"video, or the file is truncated or corrupt; {REPLACE}")
         try:
             yield container, container.streams.video[0], description
         except av.FFmpegError as error:
-            raise ValueError(f"{where}: cannot decode video {description}: {error}") from error
+            raise ValueError(f"{where}: cannot decode video {description}: {error}; {REPLACE}") from error
 
 
 def probe_video(value, cfg: DataConfig, where: str) -> tuple[int, float, tuple[int, int]]:
-    """(frames, frames per second, (width, height)) of a videos-column entry, without decoding its pixels: a file's
-    from its container (its packets counted where the container does not say), a list of frames' from its length,
-    --data.video-fps and its first frame."""
+    """(frames, frames per second, (width, height)) of a videos-column entry, checked at start-up as far as it can be
+    without decoding it all. A file: its packets read (not decoded) and counted, its first frame decoded; its frame
+    count the container's (the packets' where the container does not say), its size its first frame's. A file whose
+    whole packets fall short of that count (cut short) or whose first frame does not decode is refused here, not
+    when its row is first drawn; decoding every frame kept would cost the start-up about as much as an epoch's reads
+    (docs/speed-and-memory.md), so a packet that is whole but does not decode is found when its row is read, an error
+    naming the row and the file (read_video). A list of frames: its length, --data.video-fps, and the size of the
+    frames kept, one size for all (one_size)."""
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"{where}: a list of frames with no frames")
-        return len(value), cfg.video_fps, open_frame(value[0], cfg, f"{where}, frame 0").size
+        kept = sorted(set(frame_indices(len(value), cfg.video_fps, cfg.video_fps, cfg.max_frames)))
+        sizes = {i: open_frame(value[i], cfg, f"{where}, frame {i}").size for i in kept}
+        return len(value), cfg.video_fps, one_size(sizes, where)
     with open_video(value, cfg, where) as (container, stream, description):
-        total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        whole, first = 0, None  # packets read in full; the first frame
+        for packet in container.demux(stream):  # its last packet, empty, flushes the decoder's delayed frames
+            whole += bool(packet.size) and not packet.is_corrupt
+            if first is None:
+                first = next(iter(packet.decode()), None)
+        total = stream.frames or whole
         rate = stream.average_rate or stream.guessed_rate
-        size = (stream.codec_context.width, stream.codec_context.height)
     if total == 0:
-        raise ValueError(f"{where}: video {description} has no frames")
+        raise ValueError(f"{where}: video {description} has no frames (an empty file, or one cut short); {REPLACE}")
+    if whole < total or first is None:
+        raise ValueError(f"{where}: video {description} holds {whole} whole frames of the {total} its container "
+                         f"lists" + ("" if first is not None else ", none of which decodes") +
+                         f": the file is truncated or corrupt; {REPLACE}")
     if not rate:
         raise ValueError(f"{where}: video {description} does not say its frame rate; give it as a list of frames")
-    return total, float(rate), size
+    return total, float(rate), (first.width, first.height)
+
+
+def one_size(sizes: dict[int, tuple[int, int]], where: str) -> tuple[int, int]:
+    """The one (width, height) of a video's frames ({frame index: size}); frames of two sizes are refused, naming
+    both, rather than stretched to one (which would change one's aspect ratio)."""
+    (first, size), *others = sizes.items()
+    for index, other in others:
+        if other != size:
+            raise ValueError(f"{where}: frame {index} is {other[0]} x {other[1]} pixels, frame {first} {size[0]} x "
+                             f"{size[1]}: a video's frames must be one size; resize them alike (aspect ratio kept) or "
+                             "give them as two videos")
+    return size
 
 
 def read_video(value, cfg: DataConfig, where: str) -> Video:
     """A videos-column entry as the engine and the trainer get it (vision.Video): its frame_indices frames, each
-    resized like an image (to the size its first frame gets)."""
-    total, fps, size = probe_video(value, cfg, where)
+    resized like an image (frames of two sizes are refused: one_size)."""
+    total, fps, _ = probe_video(value, cfg, where)
     indices = frame_indices(total, fps, cfg.video_fps, cfg.max_frames)
     if isinstance(value, (list, tuple)):
-        frames = {i: open_frame(value[i], cfg, f"{where}, frame {i}") for i in set(indices)}
+        frames = {i: open_frame(value[i], cfg, f"{where}, frame {i}") for i in sorted(set(indices))}
     else:
         frames, decoded = {}, 0
         with open_video(value, cfg, where) as (container, stream, description):
@@ -691,8 +726,9 @@ def read_video(value, cfg: DataConfig, where: str) -> Video:
                     break
         if decoded <= indices[-1]:
             raise ValueError(f"{where}: video {description} decodes to {decoded} frames, not the {total} its "
-                             "container lists; re-encode it (ffmpeg -i IN OUT)")
-    width, height = resized_size(*size, cfg.min_pixels, cfg.max_pixels)
+                             f"container lists: the file is corrupt; {REPLACE}")
+    width, height = resized_size(*one_size({i: frame.size for i, frame in frames.items()}, where), cfg.min_pixels,
+                                 cfg.max_pixels)
     pixels = [frames[i] if frames[i].size == (width, height) else frames[i].resize((width, height)) for i in indices]
     return Video(np.stack([np.asarray(frame.convert("RGB")) for frame in pixels]), fps, indices, total)  # [T, H, W, 3]
 

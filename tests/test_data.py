@@ -343,6 +343,12 @@ def empty_video(path):
     return path
 
 
+def packets(path) -> list[int]:
+    """Where each frame's packet of a video file starts."""
+    with av.open(str(path)) as container:
+        return [packet.pos for packet in container.demux(container.streams.video[0]) if packet.size]
+
+
 def cut_video(path):
     """A video file whose container lists 10 frames and holds 6 (cut at the seventh frame's packet)."""
     with av.open(str(path), "w") as container:
@@ -351,13 +357,29 @@ def cut_video(path):
         for frame in stripes(10):
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
-    with av.open(str(path)) as container:
-        seventh = [packet.pos for packet in container.demux(container.streams.video[0]) if packet.size][6]
-    path.write_bytes(path.read_bytes()[:seventh])
+    path.write_bytes(path.read_bytes()[:packets(path)[6]])
     return path
 
 
+def damaged_mp4s(folder):
+    """12-frame mp4 files with their index first (as streamed files are), damaged: cut in the index (no stream
+    described yet), cut at the seventh frame's packet, every frame's bytes zeroed, the seventh frame's zeroed."""
+    whole = folder / "whole.mp4"
+    with av.open(str(whole), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 56, 56, "yuv420p"
+        for frame in stripes(12):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    data, starts = whole.read_bytes(), packets(whole)
+    (folder / "index-cut.mp4").write_bytes(data[:data.index(b"trak") - 4])  # the moov box up to its first track
+    (folder / "frames-cut.mp4").write_bytes(data[:starts[6]])
+    (folder / "zeroed.mp4").write_bytes(data[:starts[0]] + bytes(len(data) - starts[0]))
+    (folder / "seventh-zeroed.mp4").write_bytes(data[:starts[6]] + bytes(starts[7] - starts[6]) + data[starts[7]:])
+
+
 FRAMES = [png((28, 28))] * 2
+TRUNCATED = "the file is truncated or corrupt; re-encode it \\(ffmpeg -i IN OUT\\)"
 
 
 @pytest.mark.parametrize("row, message", [
@@ -367,25 +389,42 @@ FRAMES = [png((28, 28))] * 2
     ({"problem": "<video>", "videos": [{"bytes": b"not a video"}]}, "row 0, video 0: cannot read video 11 bytes"),
     ({"problem": "<video>", "videos": ["empty.avi"]},
      "row 0, video 0: video file .*empty.avi' \\(--data.video-dir .*\\) has no frames"),
+    ({"problem": "<video>", "videos": ["index-cut.mp4"]},
+     f"row 0, video 0: video file .*index-cut.mp4' .* has no video stream \\(its streams: none\\): not a video, "
+     f"or {TRUNCATED}"),
+    ({"problem": "<video>", "videos": ["frames-cut.mp4"]},
+     f"row 0, video 0: video file .*frames-cut.mp4' .* holds 6 whole frames of the 12 its container lists: "
+     f"{TRUNCATED}"),
+    ({"problem": "<video>", "videos": ["cut.avi"]},
+     f"row 0, video 0: video file .*cut.avi' .* holds 6 whole frames of the 10 its container lists: {TRUNCATED}"),
+    ({"problem": "<video>", "videos": ["zeroed.mp4"]},
+     "row 0, video 0: cannot decode video file .*zeroed.mp4' .*: .*Invalid data found.*; re-encode it"),
     ({"problem": "<video>", "videos": [[]]}, "row 0, video 0: a list of frames with no frames"),
     ({"problem": "<video>", "videos": [[b"not an image"]]}, "row 0, video 0, frame 0: cannot read image 12 bytes"),
+    ({"problem": "<video>", "videos": [[png((28, 28)), png((56, 28)), png((28, 28)), png((28, 28))]]},
+     "row 0, video 0: frame 1 is 56 x 28 pixels, frame 0 28 x 28: a video's frames must be one size"),
     ({"problem": "<video>", "videos": "clip.mp4"}, "row 0: column 'videos' must hold a list of videos"),
 ])
 def test_video_row_errors_name_the_row_and_the_file(tmp_path, processor, row, message):
+    """Every one found at start-up (the prompt-length check): a file cut short, one that does not decode, frames of
+    two sizes too, before any row is drawn."""
     empty_video(tmp_path / "empty.avi")
+    cut_video(tmp_path / "cut.avi")
+    damaged_mp4s(tmp_path)
     rows = datasets.Dataset.from_list([{**row, "answer": "1"}])
     with pytest.raises(ValueError, match=f"'bad', {message}"):
         PromptDataset(rows, DataConfig(video_dir=str(tmp_path)), processor.tokenizer, "bad", processor)
 
 
-def test_a_video_that_decodes_short_of_its_container_is_named_when_read(tmp_path, processor):
-    """The length check reads the container's frame count; the frames themselves are decoded when the row is used."""
-    rows = datasets.Dataset.from_list([{"problem": "<video>", "answer": "1", "videos": [str(cut_video(tmp_path /
-                                                                                                       "cut.avi"))]}])
-    dataset = PromptDataset(rows, DataConfig(video_fps=4.0, min_pixels=28 * 28, max_pixels=56 * 56),
-                            processor.tokenizer, "cut", processor)
-    with pytest.raises(ValueError, match="row 0, video 0: video file .*cut.avi' \\(--data.image-dir ''\\) decodes to 6 "
-                                         "frames, not the 10 its container lists"):
+def test_a_frame_that_does_not_decode_after_the_first_is_named_when_read(tmp_path, processor):
+    """The start-up check reads every packet and decodes the first frame; a whole packet later in the file that does
+    not decode is found when the row is read, an error naming the row and the file."""
+    damaged_mp4s(tmp_path)
+    rows = datasets.Dataset.from_list([{"problem": "<video>", "answer": "1", "videos": ["seventh-zeroed.mp4"]}])
+    dataset = PromptDataset(rows, DataConfig(video_dir=str(tmp_path), video_fps=4.0, min_pixels=28 * 28,
+                                             max_pixels=56 * 56), processor.tokenizer, "zeroed", processor)
+    with pytest.raises(ValueError, match="row 0, video 0: cannot decode video file .*seventh-zeroed.mp4' .*: .*Invalid "
+                                         "data found"):
         dataset[0]
 
 

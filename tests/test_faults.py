@@ -23,6 +23,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 from test_console import our_tracebacks
+from test_data import damaged_mp4s
 
 import grpo
 import scripts.merge as merge
@@ -476,6 +477,10 @@ def data_file(folder: Path, case: str) -> Path:
         if case == "image placeholder":
             row = {"problem": "<|image_pad|> colour?", "answer": "k", "images": []}
         path.write_text("".join(json.dumps(row) + "\n" for _ in range(8)))
+    elif case == "truncated video":  # a partial download: its index whole, its frames cut short
+        damaged_mp4s(folder)
+        row = {"problem": "<video>which way?", "answer": "l", "videos": ["frames-cut.mp4"]}
+        path.write_text("".join(json.dumps(row) + "\n" for _ in range(8)))
     return path
 
 
@@ -491,6 +496,9 @@ FAULTY_DATA = {
     "images as a string": ("tiny:qwen2_5_vl", ["row 0: column 'images' must hold a list of images, got a str"]),
     "image placeholder": ("tiny:qwen2_5_vl", ["row 0: the prompt holds '<|image_pad|>'", "put `<image>` where"]),
     "thin image": ("tiny:qwen2_5_vl", ["row 0, image 0 (file 'a.png')", "aspect ratio"]),
+    "truncated video": ("tiny:qwen2_5_vl", ["data.jsonl', row 0, video 0: video file", "frames-cut.mp4",
+                                            "holds 6 whole frames of the 12 its container lists: the file is "
+                                            "truncated or corrupt"]),
 }
 
 
