@@ -254,8 +254,6 @@ def forward_inputs(model, batch: Batch, padding_free: bool, sp: SequenceParallel
         packing = {"cu_seq_lens_q": on_device["cu_seq_lens"].int(), "max_length_q": longest,
                    "packed_lengths": packed}
         packing.update(cu_seq_lens_k=packing["cu_seq_lens_q"], max_length_k=longest)
-        if sp.size > 1:
-            packing["sequence_parallel"] = sp
     else:
         input_ids, packing = padded, {}
         positions = torch.arange(T, device=device).expand(len(lengths), T)  # [b, T]

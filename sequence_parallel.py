@@ -19,7 +19,8 @@ rank through all-to-alls (query, key, value and the output; as many again in the
 Vision-language models: the vision tower runs on every rank of the group on all the row's images, and their
 embeddings are merged into the whole row before it is cut (the cut runs as the language model's forward pre-hook,
 on its input embeddings, 3-D M-RoPE positions and Qwen3-VL's deepstack features): an image's tokens may straddle two
-slices, and the tower's cost is small beside the language model's at the lengths sequence parallelism is for.
+slices, and the tower's cost is small beside the language model's at the lengths sequence parallelism is for. The
+same hook hands the group to the language model's attention layers; the tower's attention never sees it.
 """
 
 from contextlib import contextmanager
@@ -97,7 +98,11 @@ class SequenceParallel:
 
     def _slice(self, module, args, kwargs):
         """The language model's inputs cut to this rank's slice: token ids or embeddings [1, S, ...], positions
-        [..., 1, S], Qwen3-VL's visual mask [1, S] and deepstack features (one row per visual token)."""
+        [..., 1, S], Qwen3-VL's visual mask [1, S] and deepstack features (one row per visual token); and the group,
+        which its attention layers find in their kwargs (plumbing/attention.py). Given here, not with the model's
+        inputs: transformers passes those on to the vision tower's attention too, whose rows are not cut (under
+        flash-attn's varlen kernel every rank but the first would get uninitialised image embeddings)."""
+        kwargs["sequence_parallel"] = self
         tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
         piece = tokens.shape[1] // self.size
         cut = slice(self.rank * piece, (self.rank + 1) * piece)

@@ -13,8 +13,9 @@ Everything else goes to transformers' sdpa unchanged: padded batches with a mask
 one token at a time against a KV cache, the vision towers (bidirectional, split by their own cu_seqlens).
 
 Both the trainer's attentions (packed_sdpa, and flash-attn under transformers' own name) take a sequence-parallel
-group in their kwargs (`sequence_parallel`: sequence_parallel.py), given with a forward whose rows are cut over
-ranks: they then attend between the group's all-to-alls.
+group in their kwargs (`sequence_parallel`: sequence_parallel.py, whose pre-hook on the language model gives it to
+its layers alone, never to a vision tower's) when the rows are cut over ranks: they then attend between the
+group's all-to-alls.
 """
 
 import functools

@@ -3,15 +3,17 @@ gloo, FSDP2) log-probs and gradients with the row split over the ranks equal to 
 training runs with split rows equal to the same runs without."""
 
 import json
+from dataclasses import dataclass, field
 
 import pytest
-from transformers import AutoModelForCausalLM
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from conftest import FAST, SIGNAL, torchrun, write_mixed_rows
 from launches import launched_run, uses_runs
-from logprobs import forward_inputs, make_batch
+from logprobs import forward_inputs, make_batch, response_logprobs
 from plumbing.attention import PACKED_SDPA
-from plumbing.tiny import build_tiny_model
+from plumbing.tiny import build_tiny_model, build_tiny_vlm
 from sequence_parallel import SequenceParallel
 
 
@@ -42,7 +44,40 @@ def test_forward_inputs_give_each_rank_the_response_tokens_its_slice_predicts(mo
     assert inputs["input_ids"].shape[1] == sum(packed) and inputs["max_length_q"] == 4
     assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1][: sum(packed)]]
     assert got_index.tolist() == index and got_slots.tolist() == slots
-    assert ("sequence_parallel" in inputs) == (size > 1)
+    assert "sequence_parallel" not in inputs  # the language model's pre-hook gives it (sequence_parallel.hooked)
+
+
+@dataclass
+class Recording(SequenceParallel):
+    """A group of 2 seen from rank 0 that records which attention modules attend through it. No process group: for
+    the all-to-all's shapes it attends on its slice twice over, and keeps the first half (values beside the point)."""
+
+    seen: list = field(default_factory=list)
+
+    def attend(self, attention, module, query, key, value, attention_mask, **kwargs):
+        self.seen.append(type(module).__name__)
+        query, key, value = (torch.cat([t, t], dim=2) for t in (query, key, value))
+        output, weights = attention(module, query, key, value, attention_mask, **kwargs)
+        return output[:, : output.shape[1] // 2], weights
+
+    def gather(self, values):
+        return values
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_5_vl", "qwen3_vl"])
+def test_only_the_language_models_attention_gets_the_group(tmp_path, architecture):
+    """transformers hands a model's forward kwargs on to the vision tower's attention blocks too. The group must
+    reach the language model's attention layers only: the vision tower runs whole on every rank (its rows are not
+    cut), and under flash-attn's varlen kernel (its output uninitialised outside the cu_seqlens it is given) a
+    vision attention between the group's all-to-alls gives every rank but the first garbage image embeddings."""
+    from sp_worker import vision_batch
+
+    path = build_tiny_vlm(architecture, tmp_path / "vl")
+    model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation=PACKED_SDPA)
+    sp = Recording(2, 0)
+    response_logprobs(model, vision_batch(str(path), torch.device("cpu")), 1.0, sp=sp)
+    layers = model.config.get_text_config().num_hidden_layers
+    assert len(sp.seen) == layers and all("Vision" not in name for name in sp.seen), sp.seen
 
 
 SPLIT_CASES = ["qwen2", "qwen2_4_heads", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
