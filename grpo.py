@@ -681,7 +681,7 @@ def main(cfg: Config) -> None:
                       f"{cfg.trainer.total_steps}; raise it to train on, or choose another --trainer.experiment-name")
         dist.destroy_process_group()
         return
-    if rank == 0 and not cfg.trainer.val_only:  # an evaluation leaves the run folder as it is (but for eval/)
+    if rank == 0:  # the folder made ready to train in; an evaluation leaves it as it is and says what it evaluates
         prepare_run_folder(run_dir, dataclasses.asdict(cfg), start, say=console.print)
     INTERRUPT_NOTES.append(lambda: stop_note(run_dir))  # a Ctrl-C says where the run stands
 

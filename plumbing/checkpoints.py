@@ -396,7 +396,15 @@ def lock_holder(path: Path) -> str:
 def prepare_run_folder(run_dir: Path, config: dict, start: Path | None, say) -> None:
     """Rank 0 at start-up: create the folder, clear unfinished saves, rewind to `start` (the checkpoint resumed
     from; checkpoints after it move to checkpoints/discarded-TIME/, kept but never resumed), and record the
-    config, first `say`ing which settings changed since the last launch."""
+    config, first `say`ing which settings changed since the last launch. An evaluation (--trainer.val-only) leaves
+    the folder as it is (it writes eval/ only) and says which weights it evaluates: the base model as it is, when
+    the folder has no checkpoint, is not the run's model, which a reader of its result would otherwise take it for."""
+    trainer = config["trainer"]
+    if trainer["val_only"]:
+        why = "--trainer.resume never" if trainer["resume"] == "never" else f"{run_dir} has no checkpoint"
+        say(f"--trainer.val-only: evaluating {start}" if start is not None else f"--trainer.val-only: {why}, so the "
+            f"base model at --actor.model-path {config['actor']['model_path']} is evaluated as it is (step 0)")
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
     remove_unfinished(run_dir)
     if start is not None and start.resolve().parent == (run_dir / "checkpoints").resolve():

@@ -294,13 +294,29 @@ def test_resuming_an_earlier_checkpoint_rewinds_the_run(world_of_one, tmp_path):
     start = checkpoints.find_resume_point(tmp_path, "best", JOB)
     assert start.name == "step_000001"
     said = []
-    checkpoints.prepare_run_folder(tmp_path, {"trainer": {"lr": 2}}, start, said.append)
+    checkpoints.prepare_run_folder(tmp_path, {"trainer": {"lr": 2, "val_only": False}}, start, said.append)
     assert [p.name for p in checkpoints.complete_checkpoints(tmp_path)] == ["step_000001"]
     discarded = sorted(p.name for p in (tmp_path / "checkpoints").glob("discarded-*/step_*"))
     assert discarded == ["step_000002", "step_000003"]
     assert "rewound to step_000001" in said[0]
     assert json.loads((tmp_path / "checkpoints" / "tracker.json").read_text())["latest"] == 1
     assert checkpoints.find_resume_point(tmp_path, "auto", JOB) == start
+
+
+def test_an_evaluation_says_what_it_evaluates_and_leaves_the_run_folder_as_it_is(tmp_path):
+    """--trainer.val-only where the run folder has no checkpoint (or with --trainer.resume never) evaluates the base
+    model: one line says so, naming the flag; with a checkpoint, the line names it. Nothing is created or written."""
+    config = {"trainer": {"val_only": True, "resume": "auto"}, "actor": {"model_path": "tiny:qwen2"}}
+    run_dir, said = tmp_path / "run", []
+    checkpoints.prepare_run_folder(run_dir, config, None, said.append)
+    checkpoints.prepare_run_folder(run_dir, {**config, "trainer": {"val_only": True, "resume": "never"}}, None,
+                                   said.append)
+    checkpoints.prepare_run_folder(run_dir, config, run_dir / "checkpoints" / "step_000002", said.append)
+    base = "so the base model at --actor.model-path tiny:qwen2 is evaluated as it is (step 0)"
+    assert said == [f"--trainer.val-only: {run_dir} has no checkpoint, {base}",
+                    f"--trainer.val-only: --trainer.resume never, {base}",
+                    f"--trainer.val-only: evaluating {run_dir / 'checkpoints' / 'step_000002'}"]
+    assert not run_dir.exists()
 
 
 def test_changed_settings_lists_each_changed_flag():
