@@ -177,6 +177,36 @@ def step_line(step: int, metrics: dict[str, float]) -> str:
                if metrics["actor/skipped_steps"] else ""))
 
 
+def metrics_table(metrics: dict[str, float], prefix: str = "val"):
+    """A validation's metrics (plumbing/metrics.py's names) as a rich table for the console: a column per reward
+    key (overall first), a row for its mean and spread over samples and one per pass@k with its 95% interval; the
+    other metrics (response lengths) on a line under it. With the keys overall and accuracy, 2 samples a prompt:
+
+         statistic    overall         accuracy
+         mean +- std  0.500 +- 0.100  0.250 +- 0.100
+         pass@1       0.500 +- 0.050  0.250 +- 0.050
+         pass@2       0.700 +- 0.050  0.450 +- 0.050
+        response_length_mean 12.5, clip_ratio 0, response_length_max 40
+    """
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    keys = [name.split("/", 2)[2] for name in metrics
+            if name.startswith(f"{prefix}/pass@1/") and not name.endswith("_ci95")]
+    keys.sort(key=lambda key: key != "overall")  # stable: the others in the metrics' order
+    ks = sorted({int(name.split("/")[1][len("pass@"):]) for name in metrics if name.startswith(f"{prefix}/pass@")})
+    rows = {"mean +- std": [(f"{prefix}/reward_{key}", f"{prefix}/reward_{key}_std") for key in keys],
+            **{f"pass@{k}": [(f"{prefix}/pass@{k}/{key}", f"{prefix}/pass@{k}/{key}_ci95") for key in keys]
+               for k in ks}}
+    shown = {name for cells in rows.values() for cell in cells for name in cell}
+    table = Table("statistic", *keys, box=None)
+    for label, cells in rows.items():
+        table.add_row(label, *(f"{metrics[mean]:.3f} +- {metrics[spread]:.3f}" for mean, spread in cells))
+    return Group(table, Text(", ".join(f"{name.removeprefix(prefix + '/')} {value:.4g}"
+                                       for name, value in metrics.items() if name not in shown)))
+
+
 def did_you_mean(name: str, choices) -> str:
     """" (did you mean 'dapo'?)" for a name close to one of `choices`, else ""."""
     close = difflib.get_close_matches(name, list(choices), n=1)

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from plumbing.console import metrics_table
+
 COLUMNS = ["step", "prompt", "response", "ground_truth", "score"]
 
 
@@ -250,7 +252,7 @@ LOGGERS = ("console", *BACKENDS)  # console: the step line grpo.py prints
 def write_evaluation(run_dir: Path, step: int, metrics: dict, samples: list[dict], say, **about) -> None:
     """--trainer.val-only's record (collective): every rank's `samples` to run_dir/eval/step_N-TIME.jsonl, a line
     each, and the metrics with `about` (model, checkpoint, data) to step_N-TIME.json, both new files (never over an
-    earlier evaluation's); rank 0 writes them and says the metrics."""
+    earlier evaluation's); rank 0 writes them and says the metrics, as a table."""
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, samples)
     if dist.get_rank() != 0:
@@ -261,8 +263,9 @@ def write_evaluation(run_dir: Path, step: int, metrics: dict, samples: list[dict
         f.writelines(json.dumps(sample) + "\n" for part in every for sample in part)
     with open(f"{name}.json", "x") as f:
         json.dump({**about, "step": step, "metrics": metrics}, f, indent=1)
-    say(f"evaluated {about.get('checkpoint') or about.get('model')}: {sum(map(len, every))} samples in {name}.jsonl; "
-        + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+    say(f"evaluated {about.get('checkpoint') or about.get('model')}: {sum(map(len, every))} samples in {name}.jsonl, "
+        f"the metrics in {name}.json:")
+    say(metrics_table(metrics))
 
 
 def check_loggers(names: list[str]) -> None:

@@ -59,9 +59,13 @@ def evaluated_model(folder):
 
 @uses_runs("evaluated_model")
 def test_val_only_of_a_model_as_given_on_one_rank_with_the_hf_engine(runs):
-    """No checkpoint in the run folder: the model itself is evaluated (step 0), on one rank, with the hf engine; no
-    config.json or metrics are written, only eval/."""
-    folder = runs["evaluated_model"].folder
+    """No checkpoint in the run folder: the model itself is evaluated (step 0), on one rank, with the hf engine, and
+    the console says so; no config.json or metrics are written, only eval/; the metrics are shown as a table."""
+    folder, output = runs["evaluated_model"].folder, runs["evaluated_model"].output()
+    assert (f"--trainer.val-only: {folder / 'model'} has no checkpoint, so the base model at --actor.model-path "
+            "tiny:qwen2 is evaluated as it is (step 0)") in output
+    assert [line.split()[:3] for line in output.splitlines() if line.split()[:1] == ["statistic"]] == [
+        ["statistic", "overall", "accuracy"]]  # and concise
     samples, record = evaluation(folder / "model", 0)
     assert len(samples) == 50 * 2 and record["checkpoint"] == "" and record["model"] == "tiny:qwen2"
     assert sorted(p.name for p in (folder / "model").iterdir()) == ["eval"]

@@ -8,7 +8,7 @@ import sys
 import psutil
 import pytest
 
-from plumbing.trackers import COLUMNS, Trackers, check_loggers
+from plumbing.trackers import COLUMNS, Trackers, check_loggers, write_evaluation
 
 CONFIG = {"actor": {"lr": 0.001, "betas": [0.9, 0.999]}, "trainer": {"total_steps": 3, "note": "x" * 7000}}
 
@@ -210,3 +210,29 @@ def test_check_loggers_names_the_pip_package_when_missing(monkeypatch, name, ins
     with pytest.raises(SystemExit) as error:
         check_loggers(["console", name])
     assert str(error.value) == f"--trainer.logger {name} needs the {name} package: {install}"
+
+
+# ---------------------------------------------------------------- --trainer.val-only's record
+
+
+def test_an_evaluation_prints_its_metrics_as_a_table(world_of_one, tmp_path):
+    """--trainer.val-only's result at the console: a column per reward key, a row for the mean and one per pass@k,
+    each with its spread, and the response lengths on a line of their own; not one line of JSON."""
+    from rich.console import Console
+
+    result = {"val/response_length_mean": 12.5, "val/clip_ratio": 0.0, "val/response_length_max": 40.0}
+    for key, mean in (("overall", 0.5), ("accuracy", 0.25)):
+        result |= {f"val/reward_{key}": mean, f"val/reward_{key}_std": 0.1}
+        result |= {f"val/pass@{k}/{key}": mean + k / 10 for k in (1, 2, 4)}
+        result |= {f"val/pass@{k}/{key}_ci95": 0.05 for k in (1, 2, 4)}
+    console = Console(record=True, width=100, soft_wrap=True)  # as grpo.py's
+    write_evaluation(tmp_path, 2, result, [{"prompt": "p"}], console.print, model="tiny:qwen2", checkpoint="")
+    lines = [line.split() for line in console.export_text().splitlines()]
+    assert lines[1:] == [["statistic", "overall", "accuracy"],
+                         ["mean", "+-", "std", "0.500", "+-", "0.100", "0.250", "+-", "0.100"],
+                         ["pass@1", "0.600", "+-", "0.050", "0.350", "+-", "0.050"],
+                         ["pass@2", "0.700", "+-", "0.050", "0.450", "+-", "0.050"],
+                         ["pass@4", "0.900", "+-", "0.050", "0.650", "+-", "0.050"],
+                         "response_length_mean 12.5, clip_ratio 0, response_length_max 40".split()]
+    assert lines[0][:2] == ["evaluated", "tiny:qwen2:"] and lines[0][-1].endswith(".json:")
+    assert json.loads(next((tmp_path / "eval").glob("*.json")).read_text())["metrics"] == result
