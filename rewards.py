@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 from math import isfinite
 from numbers import Real
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
 import jinja2
+import tyro
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
@@ -52,8 +53,10 @@ class RewardConfig:
     function: str = "toy"
     """Reward function: a built-in name (toy, math, r1v, toy_tools, code, judge), `path/to/file.py:function_name`,
     or none (every sample 0: the reward model's score alone)."""
-    kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
-    """Keyword arguments passed to the reward function, e.g. `--reward.kwargs format_weight 0.2`."""
+    kwargs: Annotated[dict[str, bool | int | float | str], tyro.conf.arg(metavar="[KEY VALUE ...]",
+                      help_behavior_hint="(default: none)")] = field(default_factory=dict)
+    """Keyword arguments passed to the reward function, as KEY VALUE pairs: `--reward.kwargs format_weight 0.2`.
+    Each VALUE is read as True or False, an int, a float, or else a string."""
     batch: bool = False
     """True: fn(list[RewardInput], **kwargs) -> list[dict];
     False: fn(RewardInput, **kwargs) -> dict, called per sample. Either may be an `async def`."""

@@ -119,6 +119,14 @@ def test_tyro_parses_kwargs_with_their_types():
     assert type(config.kwargs["n"]) is int and config.batch
 
 
+def test_the_kwargs_flag_reads_as_key_value_pairs_in_the_help(capsys):
+    """tyro's own type line for the dict (`[STR {True,False}|INT|FLOAT|STR [STR ...]]`) told nothing readable."""
+    with pytest.raises(SystemExit):
+        tyro.cli(RewardConfig, args=["--help"])
+    shown = capsys.readouterr().out
+    assert "--kwargs [KEY VALUE ...]" in shown and "{True,False}" not in shown and "(default: none)" in shown
+
+
 def test_unknown_kwarg_fails_at_start_up():
     with pytest.raises(RewardError, match="format_weigth"):
         RewardFunction(RewardConfig("math", kwargs={"format_weigth": 0.2}))
