@@ -20,7 +20,9 @@ Parts (one line each on the console, all figures in OUT/gpu_check.json):
    each of: the plain actor twice (GPU kernels are not bitwise deterministic: the baseline), the actor and AdamW
    moved to the host and back before each (offload while generating), and the actor under FSDP2's CPU offload
    (its update and its weight stream through NCCL); the weights of each against the plain run's, next to the
-   baseline, and the memory the move frees.
+   baseline, and the memory the move frees. Then each packed attention that runs here (packed_sdpa; torch's
+   varlen kernel, packed_varlen; flash-attn) on one micro-batch of 64 sequences: forward + backward seconds, and
+   its log-probs against packed_sdpa's.
 `--cpu` runs parts 2-5 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here
 (part 1 is the suite's own test_devices.py there).
 Well under ten minutes on one H200, so that a lent GPU's time holds two runs.
@@ -194,13 +196,52 @@ def part_paths(args) -> dict:
     def difference(run: str) -> float:
         return max((a.to(device) - b.to(device)).abs().max().item() for a, b in zip(weights["plain"], weights[run]))
 
+    wide = make_batch(random_ids(generator, 64, 32, vocab), [random_ids(generator, 1, n, vocab)[0] for n in
+                                                            torch.randint(8, 64 if args.cpu else 256, (64,)).tolist()],
+                      0, device=device)
     mask = batch.response_mask.bool()
-    return {"attention": attention_implementation(device),
+    return {"attention": attention_implementation(device), "attention_paths": attention_paths(actor, wide, device),
             "packed_vs_padded_max": (packed - padded)[mask].abs().max().item(), "tokens": int(mask.sum()),
             "reference_root_left_gathered_gib": root_left_gathered,
             "reference_after_reshard_gib": after_reshard, "nondeterminism_max": difference("plain again"),
             "offload_weight_diff_max": difference("offload while generating"), "offload_freed_gib": freed,
             "fsdp_cpu_offload_weight_diff_max": difference("fsdp cpu offload"), "fsdp_cpu_offload_streamed": streamed}
+
+
+def attention_paths(model, batch, device) -> dict:
+    """Each packed attention on `batch` (one micro-batch): seconds of a forward + backward (the second of two) and
+    its log-probs' largest difference from packed_sdpa's; for one that cannot run here, why."""
+    import torch
+
+    from logprobs import response_logprobs
+    from plumbing.attention import (FLASH, PACKED_SDPA, PACKED_VARLEN, attention_implementation, flash_attn_problem,
+                                    varlen_problem)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    results, baseline = {}, None
+    for name, problem in ((PACKED_SDPA, None), (PACKED_VARLEN, varlen_problem(device.type)),
+                          (FLASH, flash_attn_problem(device.type))):
+        if problem is not None:
+            results[name] = problem
+            continue
+        model.set_attn_implementation(name)
+        for _ in range(2):
+            sync()
+            start = time.perf_counter()
+            logprobs = response_logprobs(model, batch, 1.0)
+            logprobs.sum().backward()
+            sync()
+            seconds = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+        baseline = logprobs.detach() if baseline is None else baseline
+        mask = batch.response_mask.bool()
+        results[name] = {"forward_backward_s": seconds, "tokens": sum(batch.sequence_lengths),
+                         "vs_packed_sdpa_max": (logprobs.detach() - baseline)[mask].abs().max().item()}
+    model.set_attn_implementation(attention_implementation(device))
+    return results
 
 
 # ---------------------------------------------------------------- parts that launch processes

@@ -1,5 +1,6 @@
-"""Attention for packed sequences: flash-attn's varlen kernels where they run (GPU), else torch's sdpa run on each
-sequence of a packed row ("packed_sdpa", registered with transformers here).
+"""Attention for packed sequences: flash-attn's varlen kernels where they run (GPU), else torch's own varlen flash
+kernel (torch.nn.attention.varlen.varlen_attn, CUDA: "packed_varlen"), else torch's sdpa run on each sequence of a
+packed row ("packed_sdpa"); the last two registered with transformers here.
 
 The trainer packs a micro-batch's sequences into one row with position ids restarting at 0 for each
 (logprobs.py). Given such position ids and no attention mask, transformers' own "sdpa" builds a block-diagonal
@@ -7,15 +8,17 @@ The trainer packs a micro-batch's sequences into one row with position ids resta
 padded and runs causal sdpa once per sequence instead: each sequence attends only to itself, at the cost of
 padding-free attention, sum of L^2 (what flash-attn's varlen kernel computes on GPU). On CPU that makes packed
 rows as fast as padded ones or faster, where sdpa's block-diagonal mask makes them several times slower
-(figures: docs/speed-and-memory.md).
+(figures: docs/speed-and-memory.md). On a GPU without flash-attn, a loop over sequences in Python in every layer
+(forward, recompute, backward) is slow where a varlen kernel is one call: "packed_varlen" is that call, taking the
+cu_seq_lens and max lengths the trainer already gives with the inputs.
 
 Everything else goes to transformers' sdpa unchanged: padded batches with a mask (the hf engine's generation),
 one token at a time against a KV cache, the vision towers (bidirectional, split by their own cu_seqlens).
 
-Both the trainer's attentions (packed_sdpa, and flash-attn under transformers' own name) take a sequence-parallel
-group in their kwargs (`sequence_parallel`: sequence_parallel.py, whose pre-hook on the language model gives it to
-its layers alone, never to a vision tower's) when the rows are cut over ranks: they then attend between the
-group's all-to-alls.
+All the trainer's attentions (packed_sdpa, packed_varlen, and flash-attn under transformers' own name) take a
+sequence-parallel group in their kwargs (`sequence_parallel`: sequence_parallel.py, whose pre-hook on the language
+model gives it to its layers alone, never to a vision tower's) when the rows are cut over ranks: they then attend
+between the group's all-to-alls.
 """
 
 import functools
@@ -28,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 PACKED_SDPA = "packed_sdpa"
+PACKED_VARLEN = "packed_varlen"
 FLASH = "flash_attention_2"
 
 
@@ -50,9 +54,7 @@ def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     Example: packed_lengths [3, 2] -> sequences [0, 3) and [3, 5), each attending causally to itself.
     """
     lengths = kwargs.get("packed_lengths")
-    packed_row = (attention_mask is None and lengths is not None and query.shape[0] == 1
-                  and query.shape[2] == key.shape[2] and getattr(module, "is_causal", True))
-    if not packed_row:
+    if not packed_row(module, query, key, attention_mask, lengths):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     gqa = key.shape[1] != query.shape[1]
@@ -61,6 +63,32 @@ def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     pieces = [F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
               for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))]
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None  # [1, S, heads, d]
+
+
+def packed_row(module, query: torch.Tensor, key: torch.Tensor, attention_mask, given) -> bool:
+    """Whether this call is a causal attention over one packed row, unpadded, whose packing is `given`."""
+    return (attention_mask is None and given is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2]
+            and getattr(module, "is_causal", True))
+
+
+def packed_varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """torch's varlen flash kernel over one packed row (query/key/value [1, heads, S, d]; `cu_seq_lens_q` int32 on the
+    device and `max_length_q` a host int, given with the forward's inputs) -> ([1, S, heads, d], None): causal
+    (window (-1, 0)), grouped-query heads as they are. Any other call, or one with dropout (the kernel has none),
+    is packed_sdpa's. The kernel writes only the rows inside cu_seq_lens, which cover the whole row."""
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if dropout or not packed_row(module, query, key, attention_mask, cu_seq_lens):
+        return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, heads, d]
+    longest = kwargs["max_length_q"]
+    output = varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, longest, longest, scale=scaling, window_size=(-1, 0),
+                         enable_gqa=key.shape[1] != query.shape[1])
+    return output[None], None  # [1, S, heads, d]
 
 
 def sequence_parallel_aware(attention):
@@ -79,21 +107,46 @@ def sequence_parallel_aware(attention):
 
 AttentionInterface.register(PACKED_SDPA, sequence_parallel_aware(packed_sdpa_attention))
 AttentionMaskInterface.register(PACKED_SDPA, packed_sdpa_mask)
+AttentionInterface.register(PACKED_VARLEN, sequence_parallel_aware(packed_varlen_attention))
+AttentionMaskInterface.register(PACKED_VARLEN, packed_sdpa_mask)
 # flash-attn keeps transformers' own name (and all that transformers does for it) and gains the cut
 AttentionInterface.register(FLASH, sequence_parallel_aware(flash_attention_forward))
 
 
 def attention_implementation(device: torch.device) -> str:
-    """flash-attn (varlen kernels for packed sequences) where it works on a GPU; else packed_sdpa."""
-    return FLASH if flash_attn_problem(device.type) is None else PACKED_SDPA
+    """flash-attn (varlen kernels for packed sequences) where it works on a GPU; else torch's varlen kernel where it
+    runs (packed_varlen); else packed_sdpa."""
+    if flash_attn_problem(device.type) is None:
+        return FLASH
+    return PACKED_VARLEN if varlen_problem(device.type) is None else PACKED_SDPA
 
 
 def attention_line(device: torch.device) -> str:
     """The console's line on which attention the trainer runs, and why."""
-    problem = flash_attn_problem(device.type)
-    if problem is None:
+    flash, varlen = flash_attn_problem(device.type), varlen_problem(device.type)
+    if flash is None:
         return "attention: flash-attn's varlen kernels (flash_attention_2)"
-    return f"attention: torch's sdpa once per packed sequence (packed_sdpa); flash-attn: {problem}"
+    if varlen is None:
+        return f"attention: torch's varlen flash kernel (packed_varlen); flash-attn: {flash}"
+    unused = f"flash-attn: {flash}" + (f"; torch's varlen kernel: {varlen}" if device.type == "cuda" else "")
+    return f"attention: torch's sdpa once per packed sequence (packed_sdpa); {unused}"
+
+
+@functools.cache
+def varlen_problem(device_type: str) -> str | None:
+    """Why torch's varlen kernel cannot run the trainer's attention here (None: it can): CUDA only, and a GPU its
+    flash kernels are built for (one small causal call tells)."""
+    if device_type != "cuda":
+        return "GPU only"
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        q = torch.randn(4, 1, 64, device=device_type, dtype=torch.bfloat16)  # [tokens, heads, head_dim]
+        cu_seq_lens = torch.tensor([0, 4], dtype=torch.int32, device=device_type)
+        varlen_attn(q, q, q, cu_seq_lens, cu_seq_lens, 4, 4, window_size=(-1, 0))
+    except Exception as error:  # an older torch, a GPU without its kernels
+        return f"does not run here: {type(error).__name__}: {error}"
+    return None
 
 
 @functools.cache

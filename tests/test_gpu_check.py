@@ -23,6 +23,9 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     assert update["tokens"] == 8 * 32 and update["tokens_per_s"] > 0 and update["mfu"] is None
     paths = report["paths"]
     assert paths["packed_vs_padded_max"] < 1e-4 and paths["attention"] == "packed_sdpa"
+    attention = paths["attention_paths"]  # on a CPU only packed_sdpa runs; the others say why not
+    assert attention["packed_sdpa"]["forward_backward_s"] > 0 and attention["packed_sdpa"]["vs_packed_sdpa_max"] == 0
+    assert attention["packed_varlen"] == attention["flash_attention_2"] == "GPU only"
     assert (paths["nondeterminism_max"] == paths["offload_weight_diff_max"]
             == paths["fsdp_cpu_offload_weight_diff_max"] == 0.0)
     assert paths["fsdp_cpu_offload_streamed"] > 0 and paths["reference_after_reshard_gib"] == 0.0

@@ -23,15 +23,16 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
-from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          LlamaConfig, LlamaForCausalLM)
 
 from conftest import ROOT
 from fsdp_utils import load_sharded_model, process_group_backend, save_hf_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch, response_logprobs
 from lora import LoRAConfig, adapters_off, add_adapters
-from plumbing.attention import (PACKED_SDPA, attention_implementation, attention_line, flash_attn_problem,
-                                packed_sdpa_attention, packed_sdpa_mask)
-from plumbing.tiny import build_tiny_model
+from plumbing.attention import (PACKED_SDPA, PACKED_VARLEN, attention_implementation, attention_line,
+                                flash_attn_problem, packed_sdpa_attention, packed_sdpa_mask)
+from plumbing.tiny import build_tiny_model, build_tiny_vlm
 
 
 def fake_backend(device_type: str) -> str:
@@ -177,6 +178,58 @@ def test_the_packing_reaches_the_attention_once_per_forward(tmp_path):
     torch.testing.assert_close(packed, response_logprobs(model, batch, temperature=1.0, padding_free=False))
 
 
+def varlen_stand_in(calls: list):
+    """torch.nn.attention.varlen.varlen_attn's contract on the CPU: query/key/value [T, heads, d], cu_seq_q int32 on
+    the tensors' device, host-int max lengths, window (-1, 0) for causal attention, GQA only when asked; its output
+    is written only inside cu_seq_q (NaN elsewhere, where the CUDA kernel leaves uninitialised memory)."""
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                    enable_gqa=False, **rest):
+        calls.append({"window": window_size, "gqa": enable_gqa, "max": (max_q, max_k), "rest": rest})
+        assert cu_seq_q.dtype == torch.int32 and cu_seq_q.device == query.device and cu_seq_k is cu_seq_q
+        assert isinstance(max_q, int) and query.dim() == 3 and query.is_contiguous()
+        assert enable_gqa == (key.shape[1] != query.shape[1])
+        output = torch.full_like(query, float("nan"))
+        bounds = cu_seq_q.tolist()
+        for start, end in zip(bounds, bounds[1:]):
+            assert end - start <= max_q
+            q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
+            output[start:end] = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=window_size == (-1, 0), scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
+        return output
+    return varlen_attn
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen2_5_vl"])
+def test_packed_varlen_gives_packed_sdpas_log_probs_through_a_stand_in_with_the_kernels_contract(
+        tmp_path, monkeypatch, architecture):
+    """On a GPU without flash-attn the trainer attends with torch's varlen kernel (packed_varlen). A stand-in with the
+    kernel's contract (rows outside cu_seq_lens left unwritten: NaN) takes its place: the packed log-probs equal
+    packed_sdpa's and the padded ones, so the packing handed to the kernel is whole and causal (not the full window,
+    the default), and the vision tower's bidirectional attention never reaches it."""
+    import torch.nn.attention.varlen
+
+    from sp_worker import vision_batch
+
+    calls = []
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_stand_in(calls))
+    if architecture == "qwen2":
+        model = AutoModelForCausalLM.from_pretrained(build_tiny_model("qwen2", tmp_path / "m"),
+                                                     attn_implementation=PACKED_SDPA)
+        batch = make_batch([[1, 40, 41], [1, 42], [5, 6, 7, 8]], [[43, 2], [44, 45, 2], [9]], pad_id=0)
+    else:
+        path = build_tiny_vlm(architecture, tmp_path / "vl")
+        model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation=PACKED_SDPA)
+        batch = vision_batch(str(path), torch.device("cpu"))
+    expected = response_logprobs(model, batch, temperature=1.0)
+    padded = response_logprobs(model, batch, temperature=1.0, padding_free=False)
+    model.set_attn_implementation(PACKED_VARLEN)
+    got = response_logprobs(model, batch, temperature=1.0)
+    assert len(calls) == model.config.get_text_config().num_hidden_layers
+    assert all(call["window"] == (-1, 0) for call in calls) and not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, padded, atol=1e-5, rtol=0)
+
+
 def test_packed_sdpa_needs_nothing_from_the_device():
     """On `meta` any read of a tensor's values fails, as a host sync would stall a GPU: packed_sdpa runs there,
     splitting the row by the host-side lengths."""
@@ -198,7 +251,8 @@ def test_flash_attn_is_used_only_if_it_imports_and_runs(tmp_path, monkeypatch):
     cuda = torch.device("cuda", 0)
     flash_attn_problem.cache_clear()
     try:
-        assert attention_line(cuda).endswith("flash-attn: not installed (Install in the README)")
+        assert "flash-attn: not installed (Install in the README); torch's varlen kernel: does not run here: " in \
+            attention_line(cuda)  # here: no CUDA at all
         flash_attn_problem.cache_clear()
         monkeypatch.syspath_prepend(str(tmp_path))
         assert attention_implementation(cuda) == PACKED_SDPA  # found, but it does not run (here: no CUDA at all)
@@ -208,7 +262,21 @@ def test_flash_attn_is_used_only_if_it_imports_and_runs(tmp_path, monkeypatch):
         flash_attn_problem.cache_clear()
 
 
-@pytest.mark.parametrize("name", [PACKED_SDPA, "flash_attention_2"])
+def test_without_flash_attn_a_gpu_attends_with_torchs_varlen_kernel_where_it_runs(monkeypatch):
+    """No flash-attn, torch's varlen kernel runs (its probe stood in): packed_varlen, said on the console; on a CPU,
+    packed_sdpa whatever the probes say."""
+    import plumbing.attention as attention
+
+    monkeypatch.setattr(attention, "flash_attn_problem", lambda device_type: "not installed")
+    monkeypatch.setattr(attention, "varlen_problem", lambda device_type: None)
+    cuda = torch.device("cuda", 0)
+    assert attention_implementation(cuda) == PACKED_VARLEN
+    assert attention_line(cuda) == "attention: torch's varlen flash kernel (packed_varlen); flash-attn: not installed"
+    monkeypatch.setattr(attention, "varlen_problem", lambda device_type: "GPU only")
+    assert attention_implementation(torch.device("cpu")) == PACKED_SDPA
+
+
+@pytest.mark.parametrize("name", [PACKED_SDPA, PACKED_VARLEN, "flash_attention_2"])
 def test_each_trainer_attention_hands_a_cut_row_to_its_sequence_parallel_group(name, monkeypatch):
     """On a GPU the trainer attends with flash_attention_2 (transformers' own function): given the
     `sequence_parallel` kwarg of a cut row (sequence_parallel.py) it must attend between the group's all-to-alls,
@@ -227,7 +295,7 @@ def test_each_trainer_attention_hands_a_cut_row_to_its_sequence_parallel_group(n
     registered(module, query, query, query, None, sequence_parallel=Group(), packed_lengths=[3, 2])
     assert len(calls) == 1 and calls[0][0] == "group" and calls[0][2] == ["packed_lengths"]
     wrapped = calls[0][1]  # what the group runs between its all-to-alls: the attention itself, not the wrapper
-    assert wrapped.__name__ in ("packed_sdpa_attention", "flash_attention_forward")
+    assert wrapped.__name__ in ("packed_sdpa_attention", "packed_varlen_attention", "flash_attention_forward")
 
 
 def run_setup(tmp_path, driver: str, torch_is_cpu: str) -> tuple[subprocess.CompletedProcess, list[str]]:
