@@ -23,7 +23,8 @@ Design decisions:
   others. A forward runs it once for its images and once for its videos (transformers calls it per modality), so
   `keep_vision_tower_in_step` runs it on a blank image (a blank video) in a forward without one, where a run uses
   that modality, at the point where the model runs it (just before the language model). The blank output enters
-  the forward times zero.
+  the forward times zero. Generation (the hf engine: a forward with a KV cache, its weights gathered for the whole
+  call, so no collective) runs the tower only on its prompts' images, once, not on a blank at every token.
 """
 
 import itertools
@@ -216,8 +217,8 @@ def keep_vision_tower_in_step(model, videos: bool = False) -> None:
         seen.update(image=kwargs.get("pixel_values") is not None, video=kwargs.get("pixel_values_videos") is not None)
 
     def blank_if_missing(module, args, kwargs):
-        if kwargs.get("inputs_embeds") is None:
-            return None
+        if kwargs.get("inputs_embeds") is None or kwargs.get("past_key_values") is not None:
+            return None  # a forward with a KV cache generates (the hf engine, its weights gathered: no collective)
         embeds = kwargs["inputs_embeds"]
         grid = torch.tensor([[1, 2, 2]], device=embeds.device)  # 1 frame of 2 x 2 patches: one merged token
         pixels = torch.zeros(4, vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,

@@ -133,6 +133,27 @@ def test_a_run_with_videos_runs_the_vision_tower_twice_in_every_forward(tmp_path
         assert len(runs) == 2 and torch.equal(plain[name], kept), name
 
 
+@pytest.mark.parametrize("architecture", ["qwen2_5_vl", "qwen3_vl"])
+def test_generation_runs_the_vision_tower_once_on_its_images_not_at_every_token(tmp_path, architecture):
+    """The hf engine generates with the trainer's model, which keep_vision_tower_in_step(videos=True) makes run its
+    tower on a blank image or video in every forward without one. A forward with a KV cache (generation, its weights
+    gathered: no collective to keep in step) runs it only for its prompt's image: once for 6 new tokens, where it
+    ran a blank image and a blank video at each of them (13 runs)."""
+    path = build_tiny_model(architecture, tmp_path / architecture)
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    start, end = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    (expanded,), _, tensors = expand(processor, [[1, start, processor.image_token_id, end, 40]],
+                                     [Image.new("RGB", (56, 56))], [])
+    input_ids = torch.tensor([expanded])
+    keep_vision_tower_in_step(model, videos=True)
+    runs = []
+    model.model.visual.register_forward_hook(lambda *args: runs.append(1))
+    model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=6, min_new_tokens=6,
+                   do_sample=False, **vision_inputs(model, input_ids, [tensors]))
+    assert len(runs) == 1
+
+
 @pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl"])
 def test_video_positions_are_those_of_the_original_code_and_of_vllm(tmp_path, architecture):
     """use_original_positions: for images and for a video no longer than it is wide, the positions of transformers'
