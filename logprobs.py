@@ -186,29 +186,36 @@ def budget_bins(lengths: list[int], max_tokens: int) -> list[list[int]]:
         count += 1
 
 
-def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[list[int]]:
+def micro_batches(batch: Batch, size: int, max_tokens: int = 0, repeat: bool = False) -> list[list[int]]:
     """Row indices of each micro-batch of `batch`: `size` consecutive rows at a time, or (`max_tokens` > 0)
     the same number of micro-batches on every rank, each holding at most `max_tokens` tokens.
 
     With a budget, the ranks agree (one all-reduce) on the largest number of micro-batches any rank needs; a
     rank that needs fewer splits its heaviest ones in two until it has as many. Every sequence must fit the
-    budget on its own (grpo.check_config makes sure of it).
+    budget on its own (grpo.check_config makes sure of it). With `repeat` (the no-grad passes, whose ranks may
+    hold different numbers of rows: validation's reward-model pass, 65 rows on one rank and 64 on the other), the
+    ranks agree on the count without a budget too, and a rank still short repeats its last micro-batch (its values
+    are written again, alike): each pass is a collective under FSDP2, and a rank with fewer would leave the others
+    waiting in their last one until the timeout.
     """
     rows = len(batch)
-    if not max_tokens:
-        return [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
-    lengths = batch.sequence_lengths
-    bins = budget_bins(lengths, max_tokens)
+    if max_tokens:
+        lengths = batch.sequence_lengths
+        bins = budget_bins(lengths, max_tokens)
+    else:
+        bins = [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
+        if not repeat:
+            return bins
     device = batch.response_mask.device
     count = int(all_reduce({"micro_batches": len(bins)}, device, dist.ReduceOp.MAX)["micro_batches"].item())
-    if count > rows:
-        raise ValueError(f"a rank needs {count} micro-batches for {rows} sequences: every rank holds the same number "
-                         "of sequences, so one rank's sequences are longer than the budget allows")
-    while len(bins) < count:
+    while max_tokens and len(bins) < count and any(len(b) > 1 for b in bins):
         heaviest = max((b for b in bins if len(b) > 1), key=lambda b: sum(lengths[i] for i in b))
         bins.remove(heaviest)
         bins += [[heaviest[i] for i in half] for half in balanced_bins([lengths[i] for i in heaviest], 2)]
-    return bins
+    if len(bins) < count and not repeat:
+        raise ValueError(f"a rank needs {count} micro-batches for {rows} sequences: every rank holds the same number "
+                         "of sequences, so one rank's sequences are longer than the budget allows")
+    return bins + bins[-1:] * (count - len(bins))
 
 
 # ---- log-probs --------------------------------------------------------------------------------------
@@ -325,7 +332,7 @@ def _over_micro_batches(model, batch: Batch, micro_batch_size: int, max_tokens: 
     was_training = model.training
     model.eval()
     try:
-        for rows in micro_batches(batch, micro_batch_size, max_tokens):
+        for rows in micro_batches(batch, micro_batch_size, max_tokens, repeat=True):
             out[torch.tensor(rows, device=out.device)] = compute(batch.select(rows))
     finally:
         model.train(was_training)

@@ -188,6 +188,23 @@ def test_micro_batch_plans_by_hand(world_of_one):
     assert all(sum(len(PROMPTS[i]) + len(RESPONSES[i]) for i in rows) <= 12 for rows in plan) and len(plan) == 4
 
 
+def test_a_rank_with_fewer_micro_batches_repeats_its_last_in_a_no_grad_pass(monkeypatch):
+    """Another rank needs 5 micro-batches (the all-reduce stood in): with `repeat` (the no-grad passes) this rank's 5
+    rows in micro-batches of 2 make 3, then its last again, to 5; under a budget the heaviest split first, then the
+    last repeats; without `repeat` (an update: every rank holds as many rows) a shortfall the splits cannot make up
+    is an error, not a repeated gradient."""
+    import logprobs
+
+    monkeypatch.setattr(logprobs, "all_reduce", lambda values, device, op: {"micro_batches": torch.tensor(6)})
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)  # sequence lengths 8, 7, 4, 9, 10
+    assert micro_batches(batch, size=2, repeat=True) == [[0, 1], [2, 3], [4], [4], [4], [4]]
+    plan = micro_batches(batch, size=8, max_tokens=20, repeat=True)
+    assert len(plan) == 6 and sorted(i for rows in plan[:5] for i in rows) == [0, 1, 2, 3, 4] and plan[5] == plan[4]
+    assert micro_batches(batch, size=2) == [[0, 1], [2, 3], [4]]  # no budget, no repeat: no collective either
+    with pytest.raises(ValueError, match="a rank needs 6 micro-batches for 5 sequences"):
+        micro_batches(batch, size=8, max_tokens=20)
+
+
 def test_one_micro_batch_of_eight_eight_of_one_and_a_token_budget_give_one_gradient(model, world_of_one):
     """The update's loss over 8 sequences: as one micro-batch, as 8 micro-batches of 1, and as micro-batches by a
     token budget, packed or padded: the same accumulated gradient (exact global normalisation)."""

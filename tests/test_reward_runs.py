@@ -52,17 +52,25 @@ def two_steps(folder: Path, *flags) -> list:
 
 @launched_run()
 def reward_model_beside_async(folder):
+    val = folder / "val.jsonl"  # 3 prompts: 2 on rank 0 (8 responses, 2 micro-batches of 4), 1 on rank 1 (4, one)
+    val.write_text("".join(json.dumps({"problem": p, "answer": "7"}) + "\n" for p in ("3337777", "12", "77")))
     return two_steps(folder, "--reward.function", f"{folder}/rewards.py:lowercase", "--reward.model", "tiny:qwen2_rm",
-                     "--reward.weights", "overall", "1", "model", "0.5")
+                     "--reward.weights", "overall", "1", "model", "0.5", "--data.val-files", val, "--rollout.val-n",
+                     "4", "--trainer.val-freq", "2", "--actor.micro-batch-size", "4", "--trainer.dist-timeout-minutes",
+                     "1")
 
 
 @uses_runs("reward_model_beside_async")
 def test_an_async_reward_and_a_reward_model_weighted_together(runs):
     """overall = 1 x the async function's share of lowercase + 0.5 x the tiny reward model's score of the whole
-    sequence: every sample's parts logged, the overall their weighted sum, a policy gradient from it."""
-    for m in runs["reward_model_beside_async"].metrics("run"):
+    sequence: every sample's parts logged, the overall their weighted sum, a policy gradient from it. The validation
+    at step 2 scores 3 prompts on 2 ranks: the reward model's pass takes 2 micro-batches on rank 0 and 1 on rank 1,
+    which repeats its last (each forward a collective: a rank with fewer hung the other until the timeout)."""
+    metrics = runs["reward_model_beside_async"].metrics("run")
+    for m in metrics:
         assert m["train/reward_overall"] == pytest.approx(m["train/reward_function"] + 0.5 * m["train/reward_model"])
         assert m["train/reward_model_std"] > 0 and m["actor/pg_loss"] != 0 and "timing/reward" in m
+    assert "val/reward_model" in metrics[-1]
 
 
 @launched_run()
