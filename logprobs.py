@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_utils import reshard
@@ -378,7 +379,9 @@ def sequence_scores(model, batch: Batch, padding_free: bool = True) -> torch.Ten
     lengths = batch.sequence_lengths
     ends = to_device({"ends": [start + n - 1 for start, n in zip(sequence_starts(lengths, padding_free), lengths)]},
                      batch.input_ids.device)["ends"]
-    return model.score(states.flatten(0, 1)[ends]).float()[:, 0]  # [b]
+    head = model.score  # in fp32 (FSDP2 computes in bf16 on GPU): a score is one number, kept to its last bits
+    bias = None if head.bias is None else head.bias.float()
+    return F.linear(states.flatten(0, 1)[ends].float(), head.weight.float(), bias)[:, 0]  # [b]
 
 
 @torch.no_grad()

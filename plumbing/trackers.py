@@ -253,8 +253,8 @@ def write_evaluation(run_dir: Path, step: int, metrics: dict, samples: list[dict
     """--trainer.val-only's record (collective): every rank's `samples` to run_dir/eval/step_N-TIME.jsonl, a line
     each, and the metrics with `about` (model, checkpoint, data) to step_N-TIME.json, both new files (never over an
     earlier evaluation's); rank 0 writes them and says the metrics, as a table."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, samples)
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(samples, every, dst=0)  # to rank 0 only, the one that writes
     if dist.get_rank() != 0:
         return
     name = Path(run_dir) / "eval" / time.strftime(f"step_{step:06d}-%Y%m%d-%H%M%S")

@@ -241,6 +241,24 @@ def test_the_reward_models_scores_are_a_plain_forwards(tmp_path, world_of_one):
     assert not torch.equal(expected[0], expected[1])
 
 
+def test_the_reward_models_score_head_runs_in_fp32(tmp_path, world_of_one):
+    """A bf16 reward model (as on GPU): its score is the fp32 product of the last token's bf16 hidden state and the
+    bf16 head weights, not that product rounded to bf16 (3 significant digits of a number the advantages compare)."""
+    from logprobs import decoder_states, forward_inputs
+
+    path = build_tiny_model("qwen2_rm", tmp_path / "rm")
+    model = load_sharded_model(str(path), torch.device("cpu"), trainable=False, dtype=torch.bfloat16)
+    batch = make_batch([[1, 40, 41], [1, 50]], [[70, 2], [71, 72, 73, 2]], pad_id=0)
+    with torch.no_grad():
+        scores = sequence_scores(model, batch)
+        states = decoder_states(model, forward_inputs(model, batch, True)[0]).flatten(0, 1)
+        last = states[torch.tensor([4, 10])]  # the sequences' last tokens in the packed row of 5 and 6
+        weight = model.score.weight  # unsharded: FSDP2 keeps the root gathered after its forward
+        expected = last.float() @ weight.float().T
+    assert scores.dtype == torch.float32 and torch.equal(scores, expected[:, 0])
+    assert not torch.equal(scores, scores.bfloat16().float())
+
+
 def test_a_reward_model_is_refused_unless_it_is_one_and_shares_the_policys_tokenizer(tmp_path, world_of_one):
     from transformers import AutoTokenizer
 
