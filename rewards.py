@@ -69,7 +69,8 @@ class RewardConfig:
     """overall = the sum of weight x score over these keys, e.g. `--reward.weights overall 1 model 0.5` (overall:
     the function's own, logged as `function` then); empty: the function's overall, plus the model's score if any."""
     judge_url: str = ""
-    """judge: the OpenAI-compatible endpoint the judge model serves at, e.g. http://127.0.0.1:8000/v1 (vllm serve)."""
+    """judge: the OpenAI-compatible endpoint the judge model serves at, e.g. http://127.0.0.1:8000/v1 (vllm serve);
+    asked for its models at start-up, so that a URL where nothing answers ends the run before training."""
     judge_model: str = ""
     """judge: the model's name at that endpoint (empty: the first it lists)."""
     judge_template: str = "templates/judge.jinja"
@@ -83,7 +84,8 @@ class RewardConfig:
     judge_retries: int = 3
     """judge: retries of a request that fails to connect, times out or gets a 5xx or 429 (with backoff)."""
     judge_timeout: float = 30.0
-    """judge: seconds one request may take (--reward.timeout bounds a sample's call, retries included)."""
+    """judge: seconds one request may take, the start-up one's too (--reward.timeout bounds a sample's call, retries
+    included)."""
     overlong_buffer: int = 0
     """DAPO overlong shaping: responses longer than max_response_length - this many tokens are penalised (0: off)."""
     overlong_penalty_factor: float = 1.0
@@ -237,8 +239,9 @@ class Judge:
     row; its score the last match of --reward.judge-parser in the reply (or what a parser function returns). The
     requests go out at once (at most --reward.max-concurrency), each retried with backoff on connection errors,
     timeouts, 429 and 5xx (openai's client: --reward.judge-retries), and the same prompt is asked once, even by
-    calls at the same time: the answers are kept (the last 100,000), a failed request is not. A reply without a
-    score is the sample's failure (--reward.on-error).
+    calls at the same time: the answers are kept (the last 100,000), a failed request is not. A reply that is no chat
+    completion or holds no score, and a parser function that raises, are the sample's failure (--reward.on-error),
+    named with the start of the reply. At start-up one request (_probe) finds the endpoint and the judge's model.
     """
 
     CACHE = 100_000
@@ -249,14 +252,15 @@ class Judge:
                               "judge model (e.g. http://127.0.0.1:8000/v1 for `vllm serve MODEL --port 8000`)")
         self.config = config
         self.template = _load_template(config.judge_template, "--reward.judge-template")
-        self.parse = _load(config.judge_parser) if config.judge_parser.endswith(".py") or ".py:" in \
+        self.parse = _parser_function(config.judge_parser) if config.judge_parser.endswith(".py") or ".py:" in \
             config.judge_parser else _last_number(config.judge_parser)
         try:
             self.request = json.loads(config.judge_request) if config.judge_request else {}
         except json.JSONDecodeError as error:
             raise RewardError(f"--reward.judge-request {config.judge_request!r} is not JSON: {error}") from None
         self.replies: OrderedDict[str, asyncio.Future] = OrderedDict()  # prompt -> its answer, or the request
-        self.client, self.model, self.asked, self.cached = None, config.judge_model, 0, 0
+        self.client, self.asked, self.cached = None, 0, 0
+        self.model = self._probe()
 
     async def __call__(self, inp: RewardInput) -> dict[str, float]:
         prompt = self.template.render(prompt=inp["prompt"], response=inp["response"],
@@ -276,31 +280,102 @@ class Judge:
                 del self.replies[prompt]
             raise
 
+    def _probe(self) -> str:
+        """The judge's model (--reward.judge-model, else the first the endpoint lists), found by one request at
+        start-up: the model list, not retried, within --reward.judge-timeout. A URL that refuses, names no host or does
+        not answer ends the run here, not at the first rollout; an endpoint that answers without a model list is
+        enough when the model is named."""
+        from openai import APIConnectionError, APIStatusError, APITimeoutError, OpenAI
+
+        url, model, timeout = self.config.judge_url, self.config.judge_model, self.config.judge_timeout
+        with OpenAI(base_url=url, api_key="EMPTY", max_retries=0, timeout=timeout) as client:
+            try:
+                listing = client.models.with_raw_response.list()
+            except APIConnectionError as error:  # refused, no such host, or no answer in time
+                cause = (f"no answer within --reward.judge-timeout {timeout:g}s" if isinstance(error, APITimeoutError)
+                         else error.__cause__ or error.message)
+                raise RewardError(f"--reward.judge-url {url}: {cause}; serve the judge there (`vllm serve MODEL "
+                                  "--port 8000`: http://127.0.0.1:8000/v1) or fix the URL") from None
+            except APIStatusError as error:
+                listing = error.response
+        if model:
+            return model
+        names = _model_names(listing.text)
+        if not names:
+            raise RewardError(f"--reward.judge-url {url} lists no model (HTTP {listing.status_code}: "
+                              f"{listing.text!r:.80}); name the judge's model with --reward.judge-model")
+        return names[0]
+
     async def _ask(self, prompt: str) -> dict[str, float]:
         if self.client is None:  # made on the reward's event loop, where it is used
             from openai import AsyncOpenAI
 
             self.client = AsyncOpenAI(base_url=self.config.judge_url, api_key="EMPTY",
                                       max_retries=self.config.judge_retries, timeout=self.config.judge_timeout)
-        if not self.model:
-            self.model = (await self.client.models.list()).data[0].id
         self.asked += 1
-        reply = await self.client.chat.completions.create(  # the request's fields go in the body, over these
+        reply = await self.client.chat.completions.with_raw_response.create(  # the request's fields go in the body
             model=self.model, messages=[{"role": "user", "content": prompt}], temperature=0.0, max_tokens=64,
             extra_body=self.request)
-        score = self.parse(reply.choices[0].message.content or "")
-        return dict(score) if isinstance(score, Mapping) else {"overall": float(score)}
+        return self.parse(self._content(reply.text))
+
+    def _content(self, body: str) -> str:
+        """The text of a chat completion's first choice, read from the reply's body here (openai's client fails on a
+        body that is no completion with an AttributeError that names nothing); anything else is the sample's failure,
+        naming the endpoint and showing the body's start."""
+        try:
+            reply = json.loads(body)
+        except ValueError:
+            reply = None
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if choices == []:
+            raise RewardError(f"the judge's reply {body!r:.80} holds no choices (check that --reward.judge-model "
+                              f"{self.model!r} answers chat completions at --reward.judge-url {self.config.judge_url}, "
+                              "and what --reward.judge-request asks)")
+        message = choices[0].get("message") if isinstance(choices, list) and isinstance(choices[0], dict) else None
+        if not isinstance(message, dict) or not isinstance(message.get("content") or "", str):
+            raise RewardError(f"the judge's reply {body!r:.80} is no OpenAI chat completion (is --reward.judge-url "
+                              f"{self.config.judge_url} an OpenAI-compatible endpoint, as vllm serve's /v1?)")
+        return message.get("content") or ""
 
 
-def _last_number(pattern: str) -> Callable[[str], float]:
-    """A parser: the last match of `pattern` in the reply, as a float; no match raises, naming the reply."""
+def _model_names(body: str) -> list[str]:
+    """The names in an OpenAI model list, '{"data": [{"id": "Qwen/Qwen2.5-7B-Instruct", ...}]}'; none in anything
+    else."""
+    try:
+        listing = json.loads(body)
+    except ValueError:
+        return []
+    models = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(models, list):
+        return []
+    return [m["id"] for m in models if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+def _last_number(pattern: str) -> Callable[[str], dict[str, float]]:
+    """A parser: the last match of `pattern` in the reply is the score; no match raises, naming the reply."""
     regex = re.compile(pattern)
 
-    def parse(text: str) -> float:
+    def parse(text: str) -> dict[str, float]:
         matches = regex.findall(text)
         if not matches:
-            raise ValueError(f"the judge's reply {text!r:.80} holds no score (--reward.judge-parser {pattern!r})")
-        return float(matches[-1] if isinstance(matches[-1], str) else matches[-1][0])
+            raise RewardError(f"the judge's reply {text!r:.80} holds no score (--reward.judge-parser {pattern!r})")
+        return {"overall": float(matches[-1] if isinstance(matches[-1], str) else matches[-1][0])}
+
+    return parse
+
+
+def _parser_function(spec: str) -> Callable[[str], dict[str, float]]:
+    """A parser: path/to/file.py:function, reply text -> a float, or a dict of scores with overall. A failure (what it
+    raises, a result that is no number) names the parser and the reply it failed on."""
+    fn = _load(spec)
+
+    def parse(text: str) -> dict[str, float]:
+        try:
+            score = fn(text)
+            return dict(score) if isinstance(score, Mapping) else {"overall": float(score)}
+        except Exception as error:
+            raise RewardError(f"--reward.judge-parser {spec!r} raised {error!r} (the judge's reply: {text!r:.80})"
+                              ) from error
 
     return parse
 
@@ -573,6 +648,8 @@ class RewardFunction:
             return self._failed(index, inp, f"ran past --reward.timeout {self.config.timeout:g}s", where)
         if isinstance(exc, SystemExit):
             return self._failed(index, inp, f"called sys.exit({exc.code!r})", where)
+        if isinstance(exc, RewardError):  # a failure the reward names itself (the judge's)
+            return self._failed(index, inp, f"failed: {exc}", where, exc)
         return self._failed(index, inp, f"raised {exc!r}", where, exc)
 
     def _check(self, index: int, inp: RewardInput, result: Any) -> dict[str, float] | RewardError:

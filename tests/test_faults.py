@@ -382,6 +382,21 @@ def test_a_model_that_cannot_load_is_one_line(runs, case):
     the_error_line(run.output(), message)
 
 
+@launched_run(nproc=1)
+def judge_refused(folder):
+    """The judge at a URL where nothing listens."""
+    return Part(["--reward.function", "judge", "--reward.judge-url", "http://127.0.0.1:9/v1", "--trainer.output-dir",
+                 folder / "runs"])
+
+
+@uses_runs("judge_refused")
+@pytest.mark.slow
+def test_a_judge_url_where_nothing_listens_is_one_line_when_the_reward_is_built(runs):
+    """Found by the judge's start-up request, before the models load, not after the first rollout."""
+    the_error_line(runs["judge_refused"].output(), "error: --reward.judge-url http://127.0.0.1:9/v1: [Errno 111] "
+                   "Connection refused; serve the judge there")
+
+
 @pytest.mark.slow
 def test_an_unreachable_hub_model_is_one_line_before_anything_else(tmp_path):
     """A process of its own (the hub's address is read when huggingface_hub is imported), which prints nothing

@@ -1,12 +1,14 @@
 """Rewards beyond one plain function (rewards.py): async rewards (per sample and batched) running at once within
 --reward.max-concurrency, while the caller goes on; every way an async call fails, a loop-blocking one included;
 --reward.on-error skip-group; the weighted overall; the LLM judge against a local stub server (its answers, the
-cache, retries on a 500, a timeout, a reply without a score); and the reward model's scores against a plain
-forward of the same checkpoint. The judge against a real `vllm serve`, and every kind under torchrun, are in
+cache, retries on a 500, a timeout, a reply without a score or that is no chat completion, a parser that raises, the
+start-up probe of its URL and model list); and the reward model's scores against a plain forward of the same
+checkpoint. The judge against a real `vllm serve`, and every kind under torchrun, are in
 test_reward_runs.py."""
 
 import json
 import re
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -135,7 +137,8 @@ def test_the_weighted_overall_by_hand():
 
 
 class Stub(BaseHTTPRequestHandler):
-    """An OpenAI-compatible endpoint whose chat answer depends on the prompt: a score, a 500, a pause, no number."""
+    """An OpenAI-compatible endpoint whose chat answer depends on the prompt: a score, a 500, a pause, no number, a
+    body that is no completion (GARBAGE); under /no-models it lists no model."""
 
     requests: list[str] = []
 
@@ -143,7 +146,8 @@ class Stub(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):  # /v1/models
-        self._send(200, {"object": "list", "data": [{"id": "stub-judge", "object": "model"}]})
+        models = [] if self.path.startswith("/no-models/") else [{"id": "stub-judge", "object": "model"}]
+        self._send(200, {"object": "list", "data": models})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -154,18 +158,24 @@ class Stub(BaseHTTPRequestHandler):
         if "slow" in prompt:  # past the client's timeout: it has gone when this would answer
             time.sleep(2)
             return
+        if prompt.split(" | ")[0] in GARBAGE:  # the template's first part: the sample's prompt
+            return self._send(200, GARBAGE[prompt.split(" | ")[0]])
         text = "no score here" if "garbled" in prompt else f"Score: {len(prompt) % 2}. Final: {body['max_tokens']}"
         self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                          "choices": [{"index": 0, "finish_reason": "stop",
                                       "message": {"role": "assistant", "content": text}}]})
 
-    def _send(self, status: int, payload: dict):
-        data = json.dumps(payload).encode()
+    def _send(self, status: int, payload: dict | list | str):
+        data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/html" if isinstance(payload, str) else "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+GARBAGE = {"html": "<html><body>Sign in</body></html>", "a list": [], "nothing": {},
+           "no choices": {"id": "x", "object": "chat.completion", "created": 0, "model": "stub-judge", "choices": []}}
 
 
 @pytest.fixture(scope="module")
@@ -214,11 +224,59 @@ def test_the_judge_retries_then_fails_the_sample_as_on_error_says(stub_url, tmp_
         judge(stub_url, tmp_path)([sample("a", prompt=prompt)])
 
 
+@pytest.mark.parametrize("prompt", GARBAGE)
+def test_a_reply_that_is_no_chat_completion_fails_the_sample_naming_the_endpoint(stub_url, tmp_path, prompt):
+    """An HTML page, a JSON list, `{}`, a completion without choices: the sample's failure (one request, not
+    retried), its line naming --reward.judge-url (and the model, for no choices) and showing the reply's start."""
+    Stub.requests.clear()
+    reports = []
+    reward = judge(stub_url, tmp_path, on_error="zero")
+    reward.report = reports.append
+    scores = reward([sample("a", prompt=prompt), sample("b")])
+    assert scores[0]["failed"] == 1.0 and scores[1] == {"overall": 5.0, "failed": 0.0}
+    reply = GARBAGE[prompt] if isinstance(GARBAGE[prompt], str) else json.dumps(GARBAGE[prompt])
+    expected = ("holds no choices (check that --reward.judge-model 'stub-judge' answers chat completions at "
+                f"--reward.judge-url {stub_url}" if prompt == "no choices" else
+                f"is no OpenAI chat completion (is --reward.judge-url {stub_url} an OpenAI-compatible endpoint")
+    assert f"reward 'judge' failed: the judge's reply {reply!r:.40}" in reports[0] and expected in reports[0]
+    assert Stub.requests.count(f"{prompt} | a | 7") == 1
+    with pytest.raises(RewardError, match=re.escape(expected)):
+        judge(stub_url, tmp_path)([sample("a", prompt=prompt)])
+
+
+def test_a_parser_function_that_raises_fails_the_sample_naming_the_parser_and_the_reply(stub_url, tmp_path):
+    """--reward.judge-parser path/to/file.py:function raising on a reply: a bug of the user's parser, said so."""
+    parser = tmp_path / "parsers.py"
+    parser.write_text("def score(text):\n    raise ValueError('parser bug')\n")
+    with pytest.raises(RewardError, match=re.escape(f"reward 'judge' failed: --reward.judge-parser '{parser}:score' "
+                                                    "raised ValueError('parser bug') (the judge's reply: 'Score: ")):
+        judge(stub_url, tmp_path, judge_parser=f"{parser}:score")([sample("a")])
+
+
 def test_the_judge_is_refused_without_an_endpoint_or_with_a_bad_request():
     with pytest.raises(RewardError, match="needs --reward.judge-url"):
         RewardFunction(RewardConfig("judge"))
     with pytest.raises(RewardError, match="--reward.judge-request .* is not JSON"):
         RewardFunction(RewardConfig("judge", judge_url="http://127.0.0.1:1/v1", judge_request="{max_tokens: 5"))
+
+
+def test_the_judges_url_and_model_are_found_when_the_reward_is_built(stub_url, tmp_path):
+    """One request at start-up (the model list) finds a URL where nothing listens or nothing answers in
+    --reward.judge-timeout, and an endpoint that lists no model while --reward.judge-model is empty: each one line
+    naming the flag, before any rollout. A named model needs no list."""
+    with pytest.raises(RewardError, match=r"^--reward.judge-url http://127.0.0.1:9/v1: .*Connection refused; serve "):
+        judge("http://127.0.0.1:9/v1", tmp_path)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+    with pytest.raises(RewardError, match=f"^--reward.judge-url {url}: no answer within --reward.judge-timeout 0.5s"):
+        judge(url, tmp_path)
+    silent.close()
+    empty = stub_url.replace("/v1", "/no-models/v1")
+    listing = json.dumps({"object": "list", "data": []})
+    with pytest.raises(RewardError, match=re.escape(f"--reward.judge-url {empty} lists no model (HTTP 200: "
+                                                    f"{listing!r}); name the judge's model with --reward.judge-model")):
+        judge(empty, tmp_path)
+    assert judge(empty, tmp_path, judge_model="named").fn.model == "named"
 
 
 # ---------------------------------------------------------------- the reward model
