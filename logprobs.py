@@ -205,7 +205,7 @@ def micro_batches(batch: Batch, size: int, max_tokens: int = 0, repeat: bool = F
         bins = budget_bins(lengths, max_tokens)
     else:
         bins = [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
-        if not repeat:
+        if not repeat or not dist.is_initialized() or dist.get_world_size() == 1:
             return bins
     device = batch.response_mask.device
     count = int(all_reduce({"micro_batches": len(bins)}, device, dist.ReduceOp.MAX)["micro_batches"].item())

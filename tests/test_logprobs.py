@@ -195,6 +195,8 @@ def test_a_rank_with_fewer_micro_batches_repeats_its_last_in_a_no_grad_pass(monk
     is an error, not a repeated gradient."""
     import logprobs
 
+    monkeypatch.setattr(logprobs.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(logprobs.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(logprobs, "all_reduce", lambda values, device, op: {"micro_batches": torch.tensor(6)})
     batch = make_batch(PROMPTS, RESPONSES, pad_id=0)  # sequence lengths 8, 7, 4, 9, 10
     assert micro_batches(batch, size=2, repeat=True) == [[0, 1], [2, 3], [4], [4], [4], [4]]
