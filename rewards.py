@@ -56,7 +56,7 @@ class RewardConfig:
     kwargs: Annotated[dict[str, bool | int | float | str], tyro.conf.arg(metavar="[KEY VALUE ...]",
                       help_behavior_hint="(default: none)")] = field(default_factory=dict)
     """Keyword arguments passed to the reward function, as KEY VALUE pairs: `--reward.kwargs format_weight 0.2`.
-    Each VALUE is read as True or False, an int, a float, or else a string."""
+    Each VALUE is read as a boolean (true or false, any case), an int, a float, or else a string."""
     batch: bool = False
     """True: fn(list[RewardInput], **kwargs) -> list[dict];
     False: fn(RewardInput, **kwargs) -> dict, called per sample. Either may be an `async def`."""
@@ -219,6 +219,8 @@ def _lines(text: str) -> list[str]:
 
 def _check_sandbox(allow_weaker_sandbox: bool = False, **limits) -> None:
     """At start-up: the sandbox's protections hold on this machine, or the run is refused, naming the missing ones."""
+    if not isinstance(allow_weaker_sandbox, bool):
+        raise RewardError(f"--reward.kwargs allow_weaker_sandbox {allow_weaker_sandbox!r}: give true or false")
     missing = [name for name, held in protections().items() if not held]
     if missing and not allow_weaker_sandbox:
         raise RewardError(f"the code reward's sandbox cannot enforce {', '.join(missing)} on this machine (namespaces "
@@ -526,6 +528,12 @@ class Scoring:
 
 
 
+def read_flag(value):
+    """A --reward.kwargs value with `true` and `false` (any case) as booleans: on the command line they arrive as
+    strings, and the string "false" is true to Python (`allow_weaker_sandbox false` would weaken the sandbox)."""
+    return {"true": True, "false": False}.get(value.lower(), value) if isinstance(value, str) else value
+
+
 class RewardFunction:
     """The configured reward, called on a list of samples; every call is timed and every result checked.
 
@@ -553,7 +561,7 @@ class RewardFunction:
         if config.max_concurrency < 1:
             raise RewardError(f"--reward.max-concurrency {config.max_concurrency} must be at least 1")
         self.name = config.function  # the spec string, for logs and error messages
-        self.kwargs = dict(config.kwargs)
+        self.kwargs = {key: read_flag(value) for key, value in config.kwargs.items()}
         self.batch = config.batch
         if self.name in BUILTINS and self.batch:
             raise RewardError(f"built-in reward {self.name!r} is per-sample: drop --reward.batch")

@@ -186,3 +186,15 @@ def test_a_machine_without_the_protections_is_refused_unless_asked(monkeypatch):
     with pytest.raises(RewardError, match=re.escape("cannot enforce network on this machine")):
         RewardFunction(RewardConfig("code"))
     RewardFunction(RewardConfig("code", kwargs={"allow_weaker_sandbox": True}))
+    # on the command line the value is a string: "false" must refuse, not weaken the sandbox (a true string)
+    from grpo import parse_config
+
+    def flagged(value: str) -> RewardConfig:
+        return parse_config(["--reward.function", "code", "--reward.kwargs", "allow_weaker_sandbox", value]).reward
+
+    for value in ("false", "False", "FALSE"):
+        with pytest.raises(RewardError, match=re.escape("cannot enforce network on this machine")):
+            RewardFunction(flagged(value))
+    RewardFunction(flagged("true"))
+    with pytest.raises(RewardError, match="allow_weaker_sandbox 'yes': give true or false"):
+        RewardFunction(RewardConfig("code", kwargs={"allow_weaker_sandbox": "yes"}))
