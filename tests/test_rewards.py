@@ -123,7 +123,7 @@ def test_the_kwargs_flag_reads_as_key_value_pairs_in_the_help(capsys):
     """tyro's own type line for the dict (`[STR {True,False}|INT|FLOAT|STR [STR ...]]`) told nothing readable."""
     with pytest.raises(SystemExit):
         tyro.cli(RewardConfig, args=["--help"])
-    shown = capsys.readouterr().out
+    shown = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the words, however the lines wrap
     assert "--kwargs [KEY VALUE ...]" in shown and "{True,False}" not in shown and "(default: none)" in shown
 
 
