@@ -18,7 +18,7 @@ from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer
 
 from data import toy_tool_rows
-from plumbing.tiny import build_qwen_tokenizer, build_tiny_model, build_tokenizer
+from plumbing.tiny import build_qwen_tokenizer, build_tiny_model, build_tokenizer, chatml_template
 from rewards import RewardInput, toy_tools_reward
 from rollout import Response, RolloutConfig
 import tools
@@ -609,15 +609,17 @@ def test_control_tokens_in_a_tool_result_are_text_the_model_reads(tokenizer, wor
     assert response.episode.messages[1]["content"] == injected
 
 
-def test_a_chat_template_that_ignores_the_tools_is_said_once(tokenizer, qwen_tokenizer, world_of_one, capsys):
+def test_a_chat_template_that_ignores_the_tools_is_said_once(tokenizer, world_of_one, capsys):
     """The character tokenizer's template (the tiny models') renders no tools: the model is never shown them, and
-    a warning says so; Qwen's template lists them, and nothing is said."""
+    a warning says so; Qwen's ChatML template lists them, and nothing is said."""
     ToolRollout(ScriptedEngine([]), RolloutConfig(tools="toy", tool_parser="toy"), load_tools("toy"), tokenizer, None,
                 torch.device("cpu"))
     assert capsys.readouterr().err == ("warning: the chat template ignores `tools`, so the model is not shown the "
                                        "tools (lookup) and knows them only from the prompt\n")
-    ToolRollout(ScriptedEngine([]), RolloutConfig(tools="calculator"), load_tools("calculator"), qwen_tokenizer,
-                None, torch.device("cpu"))
+    chatml = build_tokenizer()
+    chatml.chat_template = chatml_template("Be brief.")
+    ToolRollout(ScriptedEngine([]), RolloutConfig(tools="calculator"), load_tools("calculator"), chatml, None,
+                torch.device("cpu"))
     assert capsys.readouterr().err == ""
 
 
