@@ -267,11 +267,12 @@ def call_tool(tools: dict[str, Callable], call: ToolCall, row: dict, images: lis
     fn = tools.get(call.name)
     if fn is None:
         return failed(f"no tool named {call.name!r}; the tools are {', '.join(tools)}")
-    parameters = inspect.signature(fn).parameters
+    signature = inspect.signature(fn)
+    parameters = signature.parameters
     if set(call.arguments) & set(INJECTED):
         return failed(f"{call.name} takes no argument {sorted(set(call.arguments) & set(INJECTED))}")
     try:
-        inspect.signature(fn).bind(**call.arguments, **dict.fromkeys(set(INJECTED) & set(parameters)))
+        signature.bind(**call.arguments, **dict.fromkeys(set(INJECTED) & set(parameters)))
     except TypeError as error:
         return failed(f"bad arguments for {call.name}: {error}")
     context = {k: copy.deepcopy(v) if k == "row" else [image.copy() for image in v]
@@ -325,7 +326,7 @@ def run_calls(tools: dict[str, Callable], calls: list[tuple[ToolCall, dict, list
     background. A tool with STRAY_CALLS such calls still running is not called until they end (an error instead),
     so a tool that hangs holds a bounded number of threads."""
     results: list[ToolResult | None] = [None] * len(calls)
-    for name, threads in _strays.items():
+    for threads in _strays.values():
         threads[:] = [thread for thread in threads if thread.is_alive()]
 
     def work(i: int, call: ToolCall, row: dict, images: list) -> None:

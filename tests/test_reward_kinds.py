@@ -206,18 +206,25 @@ def test_the_judge_scores_each_response_once_and_asks_nothing_twice(stub_url, tm
     assert parsed == [{"overall": float(len("what is 3 + 4? | c | 7") % 2)}]
 
 
-@pytest.mark.parametrize("prompt, problem", [("server error", "raised InternalServerError"),
-                                             ("slow", "raised APITimeoutError"),
-                                             ("garbled", "holds no score")])
-def test_the_judge_retries_then_fails_the_sample_as_on_error_says(stub_url, tmp_path, prompt, problem):
-    """A 500 and a timeout are retried (--reward.judge-retries 1: two requests) before the sample fails; a reply
-    without a score fails at once. On-error zero scores it 0 and the others go on."""
+def first_sample_fails(stub_url, tmp_path, prompt: str) -> list[str]:
+    """Two samples judged under --reward.on-error zero, the first asking `prompt` (which fails it), the stub's
+    requests counted from here: the first scores 0 as failed, the second its 5; what the reward reported."""
     Stub.requests.clear()
     reports = []
     reward = judge(stub_url, tmp_path, on_error="zero")
     reward.report = reports.append
     scores = reward([sample("a", prompt=prompt), sample("b")])
     assert scores[0]["failed"] == 1.0 and scores[1] == {"overall": 5.0, "failed": 0.0}
+    return reports
+
+
+@pytest.mark.parametrize("prompt, problem", [("server error", "raised InternalServerError"),
+                                             ("slow", "raised APITimeoutError"),
+                                             ("garbled", "holds no score")])
+def test_the_judge_retries_then_fails_the_sample_as_on_error_says(stub_url, tmp_path, prompt, problem):
+    """A 500 and a timeout are retried (--reward.judge-retries 1: two requests) before the sample fails; a reply
+    without a score fails at once. On-error zero scores it 0 and the others go on."""
+    reports = first_sample_fails(stub_url, tmp_path, prompt)
     assert problem in reports[0]
     assert Stub.requests.count(f"{prompt} | a | 7") == (1 if prompt == "garbled" else 2)
     with pytest.raises(RewardError, match=re.escape(problem)):
@@ -228,12 +235,7 @@ def test_the_judge_retries_then_fails_the_sample_as_on_error_says(stub_url, tmp_
 def test_a_reply_that_is_no_chat_completion_fails_the_sample_naming_the_endpoint(stub_url, tmp_path, prompt):
     """An HTML page, a JSON list, `{}`, a completion without choices: the sample's failure (one request, not
     retried), its line naming --reward.judge-url (and the model, for no choices) and showing the reply's start."""
-    Stub.requests.clear()
-    reports = []
-    reward = judge(stub_url, tmp_path, on_error="zero")
-    reward.report = reports.append
-    scores = reward([sample("a", prompt=prompt), sample("b")])
-    assert scores[0]["failed"] == 1.0 and scores[1] == {"overall": 5.0, "failed": 0.0}
+    reports = first_sample_fails(stub_url, tmp_path, prompt)
     reply = GARBAGE[prompt] if isinstance(GARBAGE[prompt], str) else json.dumps(GARBAGE[prompt])
     expected = ("holds no choices (check that --reward.judge-model 'stub-judge' answers chat completions at "
                 f"--reward.judge-url {stub_url}" if prompt == "no choices" else
