@@ -379,6 +379,27 @@ def remax_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor
     return x.per_token(x.scores - x.baselines[:, None])
 
 
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float, block: int = 64) -> torch.Tensor:
+    """G_t = r_t + gamma G_t', t' the next valid token (a masked token is neither rewarded nor discounted and takes
+    the next valid one's G): G_t = sum over valid s >= t of gamma^(valid tokens in [t, s)) r_s. Worked `block`
+    positions at a time from the end, not token by token (a per-token loop is R tiny kernels on a GPU): a block's
+    returns are its own rewards through a [B, block, block] discount matrix plus the return after it, discounted.
+    """
+    valid = mask > 0
+    rewards = rewards * valid
+    left = valid.flip(1).cumsum(1).flip(1).to(rewards.dtype)  # [B, R]: valid tokens at t and after
+    upper = torch.ones(block, block, dtype=torch.bool, device=rewards.device).triu()  # s >= t
+    returns = torch.zeros_like(rewards)
+    after, left_after = torch.zeros_like(rewards[:, :1]), torch.zeros_like(rewards[:, :1])  # [B, 1] at the block's end
+    for start in reversed(range(0, rewards.shape[1], block)):
+        k, r = left[:, start:start + block], rewards[:, start:start + block]  # [B, C]
+        steps = k[:, :, None] - k[:, None, :]  # [B, C, C]: valid tokens in [t, s) where s >= t
+        discount = torch.where(upper[:k.shape[1], :k.shape[1]], gamma ** steps.clamp(min=0), 0.0)
+        returns[:, start:start + block] = (discount @ r[:, :, None]).squeeze(2) + gamma ** (k - left_after) * after
+        after, left_after = returns[:, start:start + 1], k[:, :1]
+    return returns
+
+
 @register(ADVANTAGE_ESTIMATORS, "reinforce_plus_plus")
 def reinforce_pp_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
     """REINFORCE++: returns G_t = r_t + gamma G_t' over the valid tokens (t' the next valid token: a masked
@@ -390,12 +411,8 @@ def reinforce_pp_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch
     [0, 0]] -> [[.866]*2, [-.866]*2]. With a hole, gamma 0.5, mask [1, 0, 1], rewards [0, 0, 1] -> returns
     [0.5, -, 1]. Masked tokens get 0 (the reference leaves (0 - mean) / std on padding; no loss reads it).
     """
-    rewards, mask = x.token_rewards, x.mask
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])  # [B]
-    for t in reversed(range(rewards.shape[1])):
-        running = torch.where(mask[:, t] > 0, rewards[:, t] + cfg.gamma * running, running)
-        returns[:, t] = running
+    mask = x.mask
+    returns = discounted_returns(x.token_rewards, mask, cfg.gamma)
     count, total = x.sum_over_ranks(torch.stack([mask.sum(), (returns * mask).sum()]))
     mean = total / count
     var = x.sum_over_ranks(((returns - mean).square() * mask).sum()) / (count - 1).clamp(min=1)
@@ -755,12 +772,13 @@ def main(cfg: Config) -> None:
 
             # ---- generate + score (more rounds when dynamic sampling drops groups) ------------------------
             groups, metrics, pending = collect_rollouts(rollout, loader, scoring, cfg, step - 1, timer, device)
-            if sp.size > 1:  # the group trains on all its ranks' rollouts, scored
-                with timer("reward"):
-                    scoring.give(groups, pending)
-                groups, pending = sp.share(groups), None
             rollout.sleep()
             training_state.to_device()
+            if sp.size > 1:  # the group trains on all its ranks' rollouts, each scored on its own rank (the model's too)
+                with timer("reward"):
+                    scoring.give(groups, pending)
+                    scoring.model_scores(groups)
+                groups, pending = sp.share(groups), None
             batch = batch_of(groups, processor, tokenizer.pad_token_id, device)
 
             # ---- log-probs ---------------------------------------------------------------------------
@@ -773,7 +791,8 @@ def main(cfg: Config) -> None:
             # ---- token rewards, advantages ---------------------------------------------------------------
             with timer("reward"):  # what an async reward has left (it ran beside the passes above), the model's pass
                 scoring.give(groups, pending)
-                scoring.model_scores(groups, batch)
+                if sp.size == 1:  # (sequence parallelism: scored before sharing)
+                    scoring.model_scores(groups, batch)
             scores = torch.tensor([s["overall"] for g in groups for s in g.scores], device=device)  # [B]
             if algo.use_kl_in_reward:
                 metrics["actor/kl_reward_coef"] = kl_coef

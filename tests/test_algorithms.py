@@ -9,9 +9,9 @@ import torch
 
 from conftest import torchrun
 from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, aggregate, cispo_loss,
-                  dr_grpo_advantages, grpo_advantages, grpo_passk_advantages, gspo_loss, gspo_token_loss, keep_group,
-                  kl_penalty, ppo_clip_loss, reinforce_pp_advantages, remax_advantages, rloo_advantages, sapo_loss,
-                  token_rewards)
+                  discounted_returns, dr_grpo_advantages, grpo_advantages, grpo_passk_advantages, gspo_loss,
+                  gspo_token_loss, keep_group, kl_penalty, ppo_clip_loss, reinforce_pp_advantages, remax_advantages,
+                  rloo_advantages, sapo_loss, token_rewards)
 from logprobs import batched_logprobs, make_batch
 
 
@@ -135,6 +135,25 @@ def test_reinforce_pp_returns_and_global_whitening_by_hand():
     adv = reinforce_pp_advantages(AdvantageInputs(token_rewards, mask, n=1), AlgorithmConfig(gamma=0.5))
     expected = (torch.tensor([[0.25, 0.5, 1.0], [0.0, -1.0, 0.15]]) - 0.15) / math.sqrt(0.55 + 1e-8) * mask
     torch.testing.assert_close(adv, expected)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.99, 1.0])
+def test_reinforce_pp_returns_by_blocks_equal_the_per_token_recurrence(gamma):
+    """discounted_returns works 64 positions at a time; the recurrence G_t = r_t + gamma G_t' (t' the next valid
+    token; a masked token keeps the running return) one token at a time, over 150 positions (two whole blocks and a
+    part) with holes, padding and a row of nothing valid."""
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.randn(4, 150, generator=generator, dtype=torch.float64)
+    mask = (torch.rand(4, 150, generator=generator) > 0.3).double()
+    mask[1, 100:], mask[2] = 0, 0
+    expected, running = torch.zeros_like(rewards), torch.zeros(4, dtype=torch.float64)
+    for t in reversed(range(150)):
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
+        expected[:, t] = running
+    torch.testing.assert_close(discounted_returns(rewards, mask, gamma), expected)
+    # by hand, gamma 0.5, a hole at t=1: G = [0 + 0.5 * 1, (the next valid's) 1, 1]
+    hole = discounted_returns(torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[1.0, 0.0, 1.0]]), 0.5, block=2)
+    torch.testing.assert_close(hole, torch.tensor([[0.5, 1.0, 1.0]]))
 
 
 def test_gspo_uses_one_ratio_per_sequence():

@@ -123,15 +123,18 @@ def assert_same_training(run):
 
 @launched_run()
 def split_text_rows(folder):
-    return split_and_whole(folder, [*SIGNAL, "--actor.max-tokens-per-micro-batch", "260"])  # 2 micro-batches
+    return split_and_whole(folder, [*SIGNAL, "--actor.max-tokens-per-micro-batch", "260",  # 2 micro-batches
+                                    "--reward.model", "tiny:qwen2_rm"])
 
 
 @uses_runs("split_text_rows")
 @pytest.mark.slow
 def test_two_ranks_with_split_rows_train_as_two_ranks_without(runs):
     """`torchrun --nproc_per_node 2 grpo.py --actor.sequence-parallel-size 2` (one group of 2: both ranks train on
-    both ranks' rollouts, each on half of every row) against the same job with 2 data-parallel ranks."""
+    both ranks' rollouts, each on half of every row) against the same job with 2 data-parallel ranks, a reward
+    model scoring beside the function (each rank's own rollouts, before they are shared: the same scores)."""
     assert_same_training(runs["split_text_rows"])
+    assert all("train/reward_model" in step for step in runs["split_text_rows"].metrics("split"))
 
 
 @launched_run(nproc=4)
