@@ -8,10 +8,11 @@ A preset from configs/ plus flag overrides (every config field is a flag, see --
 Launched again, it resumes from the run folder's latest checkpoint (plumbing/checkpoints.py).
 
 One training step:
-    generate (vLLM) -> rewards -> old/ref log-probs -> advantages -> PPO epochs x mini-batches x
-    micro-batches (loss, backward), clip, optimizer step -> LR step -> sync weights into vLLM -> validate,
-    log (plumbing/trackers.py) -> save a checkpoint
-    (with one optimizer step per rollout batch the old log-probs are the update's own: no pass of their own)
+    generate (vLLM) -> rewards -> old/ref log-probs -> advantages -> rollout correction weights -> PPO epochs x
+    mini-batches x micro-batches (loss, backward), clip, optimizer step -> LR step -> sync weights into vLLM ->
+    validate, log (plumbing/trackers.py) -> save a checkpoint
+    (with one optimizer step per rollout batch and no correction the old log-probs are the update's own: no pass of
+    their own; --algorithm.old-logprobs engine takes the engine's instead)
 Design decisions:
 - The algorithm is a handful of pure tensor functions (ALGORITHM banner) registered by name; the rest is
   plumbing. Semantics follow EasyR1; deviations are stated where made and in the README.
@@ -51,7 +52,8 @@ from plumbing.cli import check_flags, default_run_name, parse_command_line
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
 from plumbing.console import INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_libraries, report_once, run
 from plumbing.memory import check_run_memory
-from plumbing.metrics import PhaseTimer, logprob_metrics, pass_metrics, score_metrics, step_totals
+from plumbing.metrics import (PhaseTimer, correction_metrics, logprob_metrics, pass_metrics, score_metrics,
+                              step_totals)
 from plumbing.optimizer import build_optimizer, build_scheduler
 from plumbing.tiny import ARCHITECTURES, REAL_VOCABULARY, VISION_ARCHITECTURES, resolve_model
 from plumbing.trackers import Trackers, check_loggers, write_evaluation
@@ -157,6 +159,16 @@ class AlgorithmConfig:
     """...and below this."""
     max_sampling_rounds: int = 10
     """Dynamic sampling: rounds of generation allowed to fill the batch before the run stops with an error."""
+    rollout_correction: str = "none"
+    """Importance weights for the engine-trainer mismatch: a name in ROLLOUT_CORRECTIONS (none, token_truncate,
+    token_mask, sequence_truncate, sequence_mask, geometric_mask); any but none needs the old-log-prob pass."""
+    correction_high: float = 3.0
+    """Rollout correction: the truncations' cap C, and the masks' upper bound of the weight."""
+    correction_low: float = 0.0
+    """Rollout correction: the masks' lower bound of the weight (0: none)."""
+    old_logprobs: Literal["trainer", "engine"] = "trainer"
+    """The ratio's old log-probs: the trainer's (their own pass when the update takes several optimizer steps), or
+    the engine's (no pass: veRL's bypass mode; the clip then bounds pi / mu itself, no rollout correction)."""
 
 
 @dataclass
@@ -223,12 +235,14 @@ class Config:
 # ALGORITHM: pure tensor functions, filed by name in one registry per kind; the config picks them.
 # B = responses on this rank, R = response tokens, mask[b, t] = 1 on valid tokens; the n responses to a
 # prompt are consecutive rows (rows g*n ... g*n + n - 1 are group g). The step calls, in this order:
-# token_rewards -> an ADVANTAGE_ESTIMATORS entry -> for each micro-batch a POLICY_LOSSES entry, the KL
-# loss, aggregate. Adding an algorithm = one registered function, one preset in configs/, one test.
+# token_rewards -> an ADVANTAGE_ESTIMATORS entry -> a ROLLOUT_CORRECTIONS entry -> for each micro-batch a
+# POLICY_LOSSES entry (times the correction's weights), the KL loss, aggregate. Adding an algorithm = one
+# registered function, one preset in configs/, one test.
 # ==================================================================================================
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}  # name -> fn(AdvantageInputs, AlgorithmConfig) -> advantages [B, R]
-POLICY_LOSSES: dict[str, Callable] = {}  # name -> fn(*, logprobs, old_logprobs, advantages, mask, cfg) -> (loss, stats)
+POLICY_LOSSES: dict[str, Callable] = {}  # name -> fn(LossInputs, AlgorithmConfig) -> (loss [b, R], stats)
+ROLLOUT_CORRECTIONS: dict[str, Callable] = {}  # name -> fn(log_ratio, mask, AlgorithmConfig) -> weights [B, R]
 
 
 def register(registry: dict, name: str, **needs):
@@ -443,42 +457,59 @@ def clipped_ratio_loss(log_ratio, advantages, mask, clip_low: float, clip_high: 
     return torch.where(advantages < 0, loss_dual, loss), stats
 
 
+@dataclass(kw_only=True)
+class LossInputs:
+    """What every policy loss receives, [b, R] each: a loss that needs one more input is one more field here.
+    The step multiplies every loss's per-token value by `rollout_weights` (ROLLOUT_CORRECTIONS) itself."""
+
+    logprobs: torch.Tensor  # l: this forward's log-probs, with their gradient
+    old_logprobs: torch.Tensor  # l_old: of the policy that sampled (the trainer's, or the engine's), detached
+    advantages: torch.Tensor  # A
+    mask: torch.Tensor  # 1 on the tokens the loss counts (holes and what the rollout correction masked: 0)
+    rollout_weights: torch.Tensor | None = None  # the rollout correction's weights (None: 1), never differentiated
+
+    @property
+    def log_ratio(self) -> torch.Tensor:
+        """rho = l - l_old per token."""
+        return self.logprobs - self.old_logprobs
+
+    def sequence_log_ratio(self) -> torch.Tensor:
+        """s_i = mean over the valid tokens of sequence i of (l - l_old) -> [b, 1]."""
+        return (self.log_ratio * self.mask).sum(-1, keepdim=True) / self.mask.sum(-1, keepdim=True).clamp(min=1)
+
+
 @register(POLICY_LOSSES, "ppo_clip")
-def ppo_clip_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+def ppo_clip_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     """PPO / GRPO / DAPO: the clipped loss with the token ratio, rho = l - l_old.
 
-    Every loss takes keyword arguments only: EasyR1's order is (old, new), ours would be (new, old), and a
+    The inputs are named fields, never positions: EasyR1's order is (old, new), ours would be (new, old), and a
     positional call ported from there would silently invert the ratio.
     """
-    return clipped_ratio_loss(logprobs - old_logprobs, advantages, mask,
+    return clipped_ratio_loss(x.log_ratio, x.advantages, x.mask,
                               cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
 
 
-def _sequence_log_ratio(logprobs, old_logprobs, mask) -> torch.Tensor:
-    """s_i = mean over the valid tokens of sequence i of (l - l_old) -> [B, 1]."""
-    return ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-
-
 @register(POLICY_LOSSES, "gspo")
-def gspo_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+def gspo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     """GSPO: the clipped loss with one ratio per sequence, rho[i, t] = s_i (sequence-level clipping).
 
     Example: token log-ratios [0.1, 0.3] -> s = 0.2 for both tokens; the whole sequence is in or out of the clip.
     """
-    log_ratio = _sequence_log_ratio(logprobs, old_logprobs, mask).expand_as(logprobs)
-    return clipped_ratio_loss(log_ratio, advantages, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
+    log_ratio = x.sequence_log_ratio().expand_as(x.logprobs)
+    return clipped_ratio_loss(log_ratio, x.advantages, x.mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                              cfg.clip_ratio_dual)
 
 
 @register(POLICY_LOSSES, "gspo_token")
-def gspo_token_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+def gspo_token_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     """GSPO-token: rho[i, t] = sg(s_i) + l - sg(l): the value of the sequence ratio, a per-token gradient."""
-    s = _sequence_log_ratio(logprobs, old_logprobs, mask).detach()
-    log_ratio = s + logprobs - logprobs.detach()
-    return clipped_ratio_loss(log_ratio, advantages, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
+    log_ratio = x.sequence_log_ratio().detach() + x.logprobs - x.logprobs.detach()
+    return clipped_ratio_loss(log_ratio, x.advantages, x.mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                              cfg.clip_ratio_dual)
 
 
 @register(POLICY_LOSSES, "cispo")
-def cispo_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+def cispo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     """CISPO: L = -A * sg(clip(r, 1 - clip_low, 1 + clip_high)) * l, REINFORCE weighted by a clipped,
     detached importance ratio: clipped tokens still get a gradient (through l), only their weight is capped.
 
@@ -486,23 +517,86 @@ def cispo_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfi
     reference, clip_low 0 (weights at least 1); the MiniMax-M1 paper has no lower bound:
     --algorithm.clip-ratio-low inf.
     """
-    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
+    ratio = torch.exp(x.log_ratio.clamp(-20, 20))
     weight = ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high).detach()
     with torch.no_grad():
-        stats = {"actor/clipfrac_higher": ((ratio > 1 + cfg.clip_ratio_high) & mask.bool()).float(),
-                 "actor/clipfrac_lower": ((ratio < 1 - cfg.clip_ratio_low) & mask.bool()).float()}
-    return -advantages * weight * logprobs, stats
+        stats = {"actor/clipfrac_higher": ((ratio > 1 + cfg.clip_ratio_high) & x.mask.bool()).float(),
+                 "actor/clipfrac_lower": ((ratio < 1 - cfg.clip_ratio_low) & x.mask.bool()).float()}
+    return -x.advantages * weight * x.logprobs, stats
 
 
 @register(POLICY_LOSSES, "sapo")
-def sapo_loss(*, logprobs, old_logprobs, advantages, mask, cfg: "AlgorithmConfig"):
+def sapo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     """SAPO: a soft gate instead of a hard clip, L = -A * (4 / tau) * sigmoid(tau * (r - 1)), tau =
     sapo_tau_pos (1.0) where A >= 0 and sapo_tau_neg (1.05) where A < 0. At r = 1 the gradient is PPO's
     (dL/dr = -A); far from 1 it fades smoothly instead of dropping to zero at a clip boundary.
     """
-    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
-    tau = torch.where(advantages >= 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-    return -advantages * (4 / tau) * torch.sigmoid(tau * (ratio - 1)), {}
+    ratio = torch.exp(x.log_ratio.clamp(-20, 20))
+    tau = torch.where(x.advantages >= 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    return -x.advantages * (4 / tau) * torch.sigmoid(tau * (ratio - 1)), {}
+
+
+# ---- rollout correction: the engine that sampled (mu) is never exactly the policy that trains (pi_old) --------
+# A mode maps rho = l_old - l_mu, each sampled token's log-ratio ([B, R], no gradient), to weights [B, R]; the step
+# multiplies each token's policy loss by its weight, and a weight of 0 takes the token out of the loss, its KL term
+# and the denominator (logprobs.Batch.loss_mask). C = --algorithm.correction-high, lo = --algorithm.correction-low.
+
+def _within(log_weight: torch.Tensor, cfg: "AlgorithmConfig") -> torch.Tensor:
+    """exp(log_weight) where it lies in [lo, C], 0 outside (compared in log space: no overflow)."""
+    low = math.log(cfg.correction_low) if cfg.correction_low > 0 else -math.inf
+    inside = (log_weight >= low) & (log_weight <= math.log(cfg.correction_high))
+    return torch.where(inside, log_weight.clamp(max=math.log(cfg.correction_high)).exp(), 0.0)
+
+
+def _sequence_sum(rho: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum over the valid tokens of each sequence of rho, on every token of it -> [B, R]."""
+    return (rho * mask).sum(-1, keepdim=True).expand_as(rho)
+
+
+@register(ROLLOUT_CORRECTIONS, "none")
+def no_correction(rho, mask, cfg: "AlgorithmConfig"):
+    """w = 1: the engine's samples are taken as the trainer's policy's."""
+    return torch.ones_like(rho)
+
+
+@register(ROLLOUT_CORRECTIONS, "token_truncate", truncates=True)
+def token_truncate(rho, mask, cfg: "AlgorithmConfig"):
+    """Token TIS: w_t = min(exp(rho_t), C). Example, C 2: rho [0.1, 1.0, -0.5] -> [1.105, 2, 0.607]."""
+    return rho.exp().clamp(max=cfg.correction_high)
+
+
+@register(ROLLOUT_CORRECTIONS, "token_mask")
+def token_mask(rho, mask, cfg: "AlgorithmConfig"):
+    """Token MIS: w_t = exp(rho_t) inside [lo, C], else 0. Example, [0.5, 2]: rho [0.1, 1.0, -1.0] -> [1.105, 0, 0]."""
+    return _within(rho, cfg)
+
+
+@register(ROLLOUT_CORRECTIONS, "sequence_truncate", truncates=True)
+def sequence_truncate(rho, mask, cfg: "AlgorithmConfig"):
+    """Sequence TIS: w = min(exp(sum_t rho_t), C) on every token. Example, C 2: rho [0.1, 0.2] -> 1.35 twice."""
+    return _sequence_sum(rho, mask).exp().clamp(max=cfg.correction_high)
+
+
+@register(ROLLOUT_CORRECTIONS, "sequence_mask")
+def sequence_mask(rho, mask, cfg: "AlgorithmConfig"):
+    """Sequence MIS (TRL's default, C 3): w = exp(sum_t rho_t) inside [lo, C], else 0 for the whole sequence.
+    Example, [0, 3]: rho [0.5, 0.7] -> exp(1.2) = 3.32 > 3: the sequence leaves the loss."""
+    return _within(_sequence_sum(rho, mask), cfg)
+
+
+@register(ROLLOUT_CORRECTIONS, "geometric_mask")
+def geometric_mask(rho, mask, cfg: "AlgorithmConfig"):
+    """Geometric rejection: the sequence stays (w = 1) if the mean ratio exp(mean_t rho_t) is inside [lo, C], else
+    leaves (w = 0): a length-fair test (set tight bounds, e.g. 0.9 and 1.1). Example: rho [0.3, -0.1] -> exp(0.1) =
+    1.105, inside [0.9, 1.1]? no: 0."""
+    mean = _sequence_sum(rho, mask) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return (_within(mean, cfg) > 0).to(rho.dtype)
+
+
+@torch.no_grad()
+def rollout_weights(old_logprobs, rollout_logprobs, mask, cfg: "AlgorithmConfig") -> torch.Tensor:
+    """The chosen mode's weights [B, R] for rho = l_old - l_mu: constants of the loss, never differentiated."""
+    return ROLLOUT_CORRECTIONS[cfg.rollout_correction](old_logprobs - rollout_logprobs, mask, cfg)
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, global_tokens, global_sequences,
@@ -592,8 +686,8 @@ def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel =
     the N ranks' gradients back onto the rank that computed each one: every sequence counts once.
     """
     algo = cfg.algorithm
-    mask = batch.response_mask
-    counts = all_reduce({"tokens": mask.sum(), "sequences": len(batch)}, mask.device)
+    mask = batch.loss_mask  # [B, R]: without what the rollout correction masked out
+    counts = all_reduce({"tokens": mask.sum(), "sequences": (mask.sum(-1) > 0).sum()}, mask.device)
     token_sum_norm = algo.token_sum_norm or cfg.rollout.max_response_length
     sums: dict[str, torch.Tensor] = {"tokens": mask.sum()}
     own = torch.zeros_like(mask)  # [B, R], filled micro-batch by micro-batch
@@ -602,17 +696,20 @@ def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel =
         logprobs = response_logprobs(model, micro, cfg.rollout.temperature, cfg.actor.padding_free, sp)  # [b, R]
         own[torch.tensor(rows, device=mask.device)] = logprobs.detach()
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
-        loss, stats = POLICY_LOSSES[algo.loss_type](logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
-                                                    mask=micro.response_mask, cfg=algo)
+        inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages, mask=micro.loss_mask,
+                            rollout_weights=micro.rollout_weights)
+        loss, stats = POLICY_LOSSES[algo.loss_type](inputs, algo)
+        if inputs.rollout_weights is not None:
+            loss = loss * inputs.rollout_weights
         stats["actor/pg_loss"] = loss.detach()
         if algo.use_kl_loss:
             kl = kl_penalty(logprobs, micro.ref_logprobs, algo.kl_penalty)
             loss = loss + algo.kl_coef * kl
             stats["actor/kl_loss"] = kl.detach()
-        aggregate(loss, micro.response_mask, algo.loss_agg_mode, global_tokens=counts["tokens"],
+        aggregate(loss, inputs.mask, algo.loss_agg_mode, global_tokens=counts["tokens"],
                   global_sequences=counts["sequences"], token_sum_norm=token_sum_norm).backward()
         for key, value in stats.items():
-            sums[key] = sums.get(key, 0.0) + (value * micro.response_mask).sum()
+            sums[key] = sums.get(key, 0.0) + (value * inputs.mask).sum()
     return sums, own
 
 
@@ -663,7 +760,7 @@ def validate(rollout, val_items, step, scoring: Scoring) -> tuple[dict, list[dic
 
 def check_config(cfg: Config, world_size: int) -> None:
     """Fail before anything is loaded, naming the flag to change (plumbing/cli.py, with this file's registries)."""
-    check_flags(cfg, world_size, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs)
+    check_flags(cfg, world_size, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, AdvantageInputs)
 
 
 def main(cfg: Config) -> None:
@@ -753,7 +850,8 @@ def main(cfg: Config) -> None:
         return rollout.shutdown()
     # one optimizer step per rollout batch: the old log-probs are the update's own, no pass of their own (TRL's way)
     on_policy = (cfg.trainer.ppo_epochs == 1 and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
-                 and not algo.use_kl_in_reward)
+                 and not algo.use_kl_in_reward and algo.rollout_correction == "none")
+    engine_old = algo.old_logprobs == "engine"  # the engine's log-probs are the old ones: no pass either
     mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n * sp.size // world  # sequences a rank trains on per
     passes = dict(temperature=cfg.rollout.temperature, micro_batch_size=cfg.actor.micro_batch_size,  # optimizer step
                   max_tokens=cfg.actor.max_tokens_per_micro_batch, padding_free=cfg.actor.padding_free, sp=sp)
@@ -774,7 +872,7 @@ def main(cfg: Config) -> None:
             groups, metrics, pending = collect_rollouts(rollout, loader, scoring, cfg, step - 1, timer, device)
             rollout.sleep()
             training_state.to_device()
-            if sp.size > 1:  # the group trains on all its ranks' rollouts, each scored on its own rank (the model's too)
+            if sp.size > 1:  # the group trains on all its ranks' rollouts, each scored on its rank (the model's too)
                 with timer("reward"):
                     scoring.give(groups, pending)
                     scoring.model_scores(groups)
@@ -783,7 +881,8 @@ def main(cfg: Config) -> None:
 
             # ---- log-probs ---------------------------------------------------------------------------
             with timer("old_logprob"):  # on-policy: the update's own forward gives them
-                batch.old_logprobs = None if on_policy else batched_logprobs(actor, batch, **passes)
+                batch.old_logprobs = (batch.rollout_logprobs if engine_old else None if on_policy
+                                      else batched_logprobs(actor, batch, **passes))
             if uses_kl:  # no KL: no reference pass (and no timing/ref_logprob)
                 with timer("ref_logprob"), adapters_off(actor) if ref is None else nullcontext():
                     batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch, **passes)
@@ -802,6 +901,11 @@ def main(cfg: Config) -> None:
                          if groups[0].baseline is not None else None)
             batch.advantages = ADVANTAGE_ESTIMATORS[algo.adv_estimator](
                 AdvantageInputs(rewards, batch.response_mask, cfg.rollout.n, baselines, sum_once), algo)  # [B, R]
+            if algo.rollout_correction != "none":  # the engine sampled, the trainer learns: a weight per token
+                batch.rollout_weights = rollout_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
+                                                        algo)
+                truncates = getattr(ROLLOUT_CORRECTIONS[algo.rollout_correction], "truncates", False)
+                metrics.update(correction_metrics(batch, algo.correction_high if truncates else None))
 
             # ---- update ------------------------------------------------------------------------------
             if cfg.actor.balance_ranks and world > sp.size:  # over the data-parallel ranks
@@ -810,7 +914,7 @@ def main(cfg: Config) -> None:
             with timer("update"):
                 update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg, sp)
                 scheduler.step()
-            if on_policy:
+            if on_policy or engine_old:  # for the gap metrics: the trainer's log-probs before its update
                 batch.old_logprobs = first_logprobs
             metrics.update(update_metrics)
             metrics.update(logprob_metrics(batch))

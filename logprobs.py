@@ -74,9 +74,15 @@ class Batch:
     old_logprobs: torch.Tensor | None = spans(RESPONSE)  # [B, R], of the policy that sampled (the step sets them)
     ref_logprobs: torch.Tensor | None = spans(RESPONSE)  # [B, R], of the reference
     advantages: torch.Tensor | None = spans(RESPONSE)  # [B, R]
+    rollout_weights: torch.Tensor | None = spans(RESPONSE)  # [B, R], the rollout correction's (None: 1; 0: masked out)
 
     def __len__(self) -> int:
         return len(self.prompt_lengths)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """The response tokens the update counts: the response mask less what the rollout correction masked out."""
+        return self.response_mask if self.rollout_weights is None else self.response_mask * (self.rollout_weights > 0)
 
     @property
     def sequence_lengths(self) -> list[int]:
@@ -138,7 +144,8 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
     rows = [{"input_ids": p + r, "responses": r,
              "response_mask": response_masks[b] if response_masks else [1] * len(r), "prompt_lengths": len(p),
              "response_lengths": len(r), "rollout_logprobs": rollout_logprobs[b] if rollout_logprobs else None,
-             "vision": vision[b] if vision else None, "old_logprobs": None, "ref_logprobs": None, "advantages": None}
+             "vision": vision[b] if vision else None, "old_logprobs": None, "ref_logprobs": None, "advantages": None,
+             "rollout_weights": None}
             for b, (p, r) in enumerate(zip(prompt_ids, response_ids))]
     return Batch.from_rows(rows, pad_id, device)
 

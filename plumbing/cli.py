@@ -88,9 +88,9 @@ def checked(value, hint, where: str):
     return value
 
 
-def check_flags(cfg, world_size: int, estimators: dict, losses: dict, advantage_inputs) -> None:
-    """Fail before anything is loaded, naming the flag to change. `cfg`: grpo.Config; `estimators` and `losses`: its
-    registries; `advantage_inputs`: grpo.AdvantageInputs, for a dry run of the estimator."""
+def check_flags(cfg, world_size: int, estimators: dict, losses: dict, corrections: dict, advantage_inputs) -> None:
+    """Fail before anything is loaded, naming the flag to change. `cfg`: grpo.Config; `estimators`, `losses` and
+    `corrections`: its registries; `advantage_inputs`: grpo.AdvantageInputs, for a dry run of the estimator."""
     t, n, r, a = cfg.trainer, cfg.rollout.n, cfg.rollout, cfg.actor
     bounds = {"trainer.total-steps": (t.total_steps, 1), "trainer.rollout-batch-size": (t.rollout_batch_size, 1),
               "trainer.global-batch-size": (t.global_batch_size, 1), "trainer.ppo-epochs": (t.ppo_epochs, 1),
@@ -152,6 +152,22 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, advantage_
     if algo.loss_type not in losses:
         problems.append(f"--algorithm.loss-type {algo.loss_type!r}{did_you_mean(algo.loss_type, losses)}: "
                         f"choose one of {sorted(losses)}")
+    if algo.rollout_correction not in corrections:
+        problems.append(f"--algorithm.rollout-correction {algo.rollout_correction!r}"
+                        f"{did_you_mean(algo.rollout_correction, corrections)}: choose one of {sorted(corrections)}")
+    if not 0 <= algo.correction_low < algo.correction_high:
+        problems.append(f"--algorithm.correction-low {algo.correction_low} and --algorithm.correction-high "
+                        f"{algo.correction_high}: the weight's bounds need 0 <= low < high")
+    if algo.old_logprobs == "engine" and algo.rollout_correction != "none":
+        problems.append(f"--algorithm.old-logprobs engine with --algorithm.rollout-correction "
+                        f"{algo.rollout_correction}: the engine's log-probs are the old ones, so every weight would be "
+                        "1 (the clip bounds pi / mu itself); drop one of the two")
+    uses_engine = algo.old_logprobs == "engine" or algo.rollout_correction != "none"
+    if uses_engine and (cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0):
+        problems.append(f"--rollout.top-p {cfg.rollout.top_p} / --rollout.top-k {cfg.rollout.top_k} with the engine's "
+                        "log-probs in the loss (--algorithm.rollout-correction, --algorithm.old-logprobs engine): "
+                        "the engine's are over the tokens it kept, the trainer's over the whole vocabulary, so their "
+                        "ratio is biased; sample with --rollout.top-p 1 --rollout.top-k -1")
     if algo.use_kl_loss and algo.use_kl_in_reward:
         problems.append("--algorithm.use-kl-loss and --algorithm.use-kl-in-reward: pick one place for the KL")
     if algo.online_filtering and algo.max_sampling_rounds < 1:

@@ -1,8 +1,8 @@
 """The numbers a training step logs, beside the ones the algorithm functions return: phase timings, the
 engine-vs-trainer log-prob gap, reward and length statistics, peak memory, and the console's step line.
 
-Every statistic is reduced over all ranks in one collective per call (fsdp_utils.all_reduce) and stays on
-the training device until the loop copies the step's numbers to the host once (fsdp_utils.to_floats).
+Every statistic is reduced over all ranks in one collective per call (plumbing/collectives.py all_reduce) and
+stays on the training device until the loop copies the step's numbers to the host once (collectives.to_floats).
 """
 
 import math
@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from plumbing.collectives import all_reduce, to_floats, union_over_ranks
+from plumbing.collectives import all_reduce, quantiles_over_ranks, to_floats, union_over_ranks
 
 
 class PhaseTimer:
@@ -36,7 +36,8 @@ class PhaseTimer:
 
 
 def logprob_metrics(batch) -> dict[str, torch.Tensor]:
-    """The engine-vs-trainer gap on the sampled tokens (a stale or mis-synced engine shows up here), the
+    """The engine-vs-trainer gap on the sampled tokens (a stale or mis-synced engine shows up here), with an
+    estimate of KL(engine || trainer) per token (k3 on the engine's samples: r - 1 - log r, r = pi_old / mu), the
     entropy proxy and the k1 KL to the reference, over all ranks.
 
     The entropy proxy is the mean -log p of the sampled tokens under the policy that sampled them (the old
@@ -46,12 +47,39 @@ def logprob_metrics(batch) -> dict[str, torch.Tensor]:
     mask, old_logprobs, ref_logprobs = batch.response_mask, batch.old_logprobs, batch.ref_logprobs  # a logprobs.Batch
     diff = (old_logprobs - batch.rollout_logprobs) * mask  # [B, R]
     kl = ((old_logprobs - ref_logprobs) * mask).sum() if ref_logprobs is not None else 0.0
-    sums = all_reduce({"tokens": mask.sum(), "gap": diff.abs().sum(), "ratio": (diff.clamp(-20, 20).exp() * mask).sum(),
-                       "entropy": (-old_logprobs * mask).sum(), "kl": kl}, mask.device)
+    ratio = diff.clamp(-20, 20).exp()
+    sums = all_reduce({"tokens": mask.sum(), "gap": diff.abs().sum(), "ratio": (ratio * mask).sum(),
+                       "engine_kl": ((ratio - 1 - diff) * mask).sum(), "entropy": (-old_logprobs * mask).sum(),
+                       "kl": kl}, mask.device)
     tokens = sums["tokens"]
     return {"rollout/logprob_diff_mean": sums["gap"] / tokens, "rollout/is_ratio_mean": sums["ratio"] / tokens,
+            "rollout/kl_engine_trainer": sums["engine_kl"] / tokens,
             "rollout/logprob_diff_max": all_reduce({"max": diff.abs().max()}, mask.device, dist.ReduceOp.MAX)["max"],
             "actor/entropy_proxy": sums["entropy"] / tokens, "actor/kl_ref": sums["kl"] / tokens}
+
+
+def correction_metrics(batch, cap: float | None) -> dict[str, torch.Tensor]:
+    """The rollout correction's weights (a logprobs.Batch's rollout_weights) on the valid response tokens of all
+    ranks: mean, min, max and 5th/50th/95th percentiles; the shares of tokens and of sequences it masked out
+    (weight 0) and, for a truncating mode (`cap`: its C), of tokens whose weight it cut to C."""
+    weights, mask = batch.rollout_weights, batch.response_mask
+    valid, device = mask > 0, mask.device
+    rows, kept_rows = valid.any(-1), ((weights > 0) & valid).any(-1)
+    sums = all_reduce({"tokens": mask.sum(), "weight": (weights * mask).sum(), "masked": ((weights == 0) & valid).sum(),
+                       "truncated": ((weights == cap) & valid).sum() if cap else 0, "sequences": rows.sum(),
+                       "masked_sequences": (rows & ~kept_rows).sum()}, device)
+    low = all_reduce({"min": torch.where(valid, weights, torch.inf).min()}, device, dist.ReduceOp.MIN)["min"]
+    high = all_reduce({"max": torch.where(valid, weights, -torch.inf).max()}, device, dist.ReduceOp.MAX)["max"]
+    p05, p50, p95 = quantiles_over_ranks(weights, valid, [0.05, 0.5, 0.95]).unbind()
+    tokens = sums["tokens"].clamp(min=1)
+    metrics = {"rollout/correction_weight_mean": sums["weight"] / tokens, "rollout/correction_weight_min": low,
+               "rollout/correction_weight_max": high, "rollout/correction_weight_p05": p05,
+               "rollout/correction_weight_p50": p50, "rollout/correction_weight_p95": p95,
+               "rollout/correction_masked_tokens": sums["masked"] / tokens,
+               "rollout/correction_masked_sequences": sums["masked_sequences"] / sums["sequences"].clamp(min=1)}
+    if cap:
+        metrics["rollout/correction_truncated_tokens"] = sums["truncated"] / tokens
+    return metrics
 
 
 def score_metrics(prefix: str, groups: list, device: torch.device) -> dict[str, torch.Tensor]:

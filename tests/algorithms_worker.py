@@ -16,7 +16,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from fsdp_utils import init_distributed, load_sharded_model
-from grpo import POLICY_LOSSES, AdvantageInputs, Config, aggregate, backward_mini_batch, reinforce_pp_advantages
+from grpo import (AdvantageInputs, Config, LossInputs, POLICY_LOSSES, aggregate, backward_mini_batch,
+                  reinforce_pp_advantages)
 from logprobs import batched_logprobs, budget_bins, make_batch, response_logprobs
 from plumbing.balance import balance_over_ranks
 from plumbing.collectives import sum_over_ranks
@@ -81,8 +82,8 @@ def compare(loss_agg_mode: str, loss_type: str, path: str, rank: int, world: int
         model = AutoModelForCausalLM.from_pretrained(path)
         logprobs = response_logprobs(model, batch, cfg.rollout.temperature)
         old = logprobs.detach() + shift
-        loss, _ = POLICY_LOSSES[loss_type](logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
-                                           cfg=cfg.algorithm)
+        inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask)
+        loss, _ = POLICY_LOSSES[loss_type](inputs, cfg.algorithm)
         aggregate(loss, mask, loss_agg_mode, global_tokens=mask.sum(), global_sequences=8,
                   token_sum_norm=cfg.rollout.max_response_length).backward()
         single = dict(model.named_parameters())

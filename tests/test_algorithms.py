@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import torchrun
-from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, aggregate, cispo_loss,
-                  discounted_returns, dr_grpo_advantages, grpo_advantages, grpo_passk_advantages, gspo_loss,
+from grpo import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AlgorithmConfig, LossInputs, POLICY_LOSSES, aggregate,
+                  cispo_loss, discounted_returns, dr_grpo_advantages, grpo_advantages, grpo_passk_advantages, gspo_loss,
                   gspo_token_loss, keep_group, kl_penalty, ppo_clip_loss, reinforce_pp_advantages, remax_advantages,
                   rloo_advantages, sapo_loss, token_rewards)
 from logprobs import batched_logprobs, make_batch
@@ -45,7 +45,8 @@ def test_ppo_clip_loss_both_clips_and_dual_clip():
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -2.0]])
     mask = torch.ones(1, 5)
     cfg = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_dual=3.0)
-    loss, stats = ppo_clip_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=mask, cfg=cfg)
+    inputs = LossInputs(logprobs=new, old_logprobs=old, advantages=adv, mask=mask)
+    loss, stats = ppo_clip_loss(inputs, cfg)
     expected = [
         -1.3,                  # ratio 1.6487 clipped at 1 + 0.3
         -math.exp(-0.5),       # ratio 0.6065 with A > 0: the lower clip does not bind (max picks -0.6065)
@@ -162,7 +163,8 @@ def test_gspo_uses_one_ratio_per_sequence():
     new = torch.tensor([[0.1, 0.3, 9.0], [1e-4, 1e-4, 1e-4]], requires_grad=True)  # [0, 2] is padding
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     adv = torch.tensor([[1.0] * 3, [1.0] * 3])
-    loss, stats = gspo_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=mask, cfg=cfg)
+    inputs = LossInputs(logprobs=new, old_logprobs=old, advantages=adv, mask=mask)
+    loss, stats = gspo_loss(inputs, cfg)
     # row 0: s = mean(0.1, 0.3) = 0.2 -> r = e^0.2 = 1.2214 > 1 + 4e-4: every token clipped at -1.0004
     # row 1: s = 1e-4 -> r = 1.0001, inside the range: -r on every token
     torch.testing.assert_close(loss.detach(), torch.tensor([[-1.0004] * 3, [-math.exp(1e-4)] * 3]))
@@ -179,7 +181,8 @@ def test_gspo_token_has_the_sequence_value_and_a_per_token_gradient():
     new = torch.tensor([[0.0, 0.2]], requires_grad=True)
     mask = torch.ones(1, 2)
     adv = torch.tensor([[1.0, -2.0]])  # per-token advantages make the per-token gradient visible
-    loss, _ = gspo_token_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=mask, cfg=cfg)
+    inputs = LossInputs(logprobs=new, old_logprobs=old, advantages=adv, mask=mask)
+    loss, _ = gspo_token_loss(inputs, cfg)
     s = 0.1  # sequence log-ratio: value exp(0.1) on both tokens
     torch.testing.assert_close(loss.detach(), torch.tensor([[-math.exp(s), 2 * math.exp(s)]]))
     loss.sum().backward()
@@ -192,7 +195,8 @@ def test_cispo_weight_is_clipped_and_detached():
     old = torch.zeros(1, 3)
     new = torch.tensor([[math.log(6.0), math.log(0.5), 0.0]], requires_grad=True)
     adv = torch.tensor([[1.0, 1.0, -1.0]])
-    loss, stats = cispo_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=torch.ones(1, 3), cfg=cfg)
+    inputs = LossInputs(logprobs=new, old_logprobs=old, advantages=adv, mask=torch.ones(1, 3))
+    loss, stats = cispo_loss(inputs, cfg)
     # weights: r = 6 -> clipped to 5; r = 0.5 -> clipped up to 1 (lower bound 1 - 0); r = 1 -> 1
     torch.testing.assert_close(loss.detach(), torch.tensor([[-5 * math.log(6.0), -math.log(0.5), 0.0]]))
     assert (stats["actor/clipfrac_higher"].tolist() == [[1, 0, 0]]
@@ -206,7 +210,8 @@ def test_sapo_soft_gate():
     old = torch.zeros(1, 2)
     new = torch.zeros(1, 2, requires_grad=True)
     adv = torch.tensor([[1.0, -1.0]])
-    loss, _ = sapo_loss(logprobs=new, old_logprobs=old, advantages=adv, mask=torch.ones(1, 2), cfg=AlgorithmConfig())
+    inputs = LossInputs(logprobs=new, old_logprobs=old, advantages=adv, mask=torch.ones(1, 2))
+    loss, _ = sapo_loss(inputs, AlgorithmConfig())
     # r = 1: L = -A (4 / tau) sigmoid(0) = -2A / tau: tau 1 for A > 0, 1.05 for A < 0
     torch.testing.assert_close(loss.detach(), torch.tensor([[-2.0, 2 / 1.05]]))
     loss.sum().backward()

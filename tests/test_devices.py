@@ -20,8 +20,8 @@ import torch.distributed as dist
 import grpo
 import plumbing.metrics as metrics
 from conftest import free_port
-from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, Config, Group, aggregate,
-                  backward_mini_batch, kl_penalty, token_rewards)
+from grpo import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AlgorithmConfig, Config, Group, LossInputs, POLICY_LOSSES,
+                  aggregate, backward_mini_batch, kl_penalty, token_rewards)
 from logprobs import batched_logprobs, make_batch, response_logprobs
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
 from plumbing.metrics import logprob_metrics, score_metrics
@@ -155,8 +155,8 @@ def test_token_rewards_and_every_estimator_stay_on_the_device(device, estimator)
 def test_every_loss_kl_and_aggregation_stay_on_the_device(device, loss_type, mode):
     mask = rollout_batch(device).response_mask
     logprobs, old, ref, advantages = (torch.randn(mask.shape, device=device) for _ in range(4))
-    loss, stats = POLICY_LOSSES[loss_type](logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
-                                           cfg=AlgorithmConfig())
+    inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask)
+    loss, stats = POLICY_LOSSES[loss_type](inputs, AlgorithmConfig())
     counts = all_reduce({"tokens": mask.sum(), "sequences": mask.shape[0]}, device)
     kls = [kl_penalty(logprobs, ref, kind) for kind in ("kl", "abs", "mse", "low_var_kl")]
     aggregated = aggregate(loss, mask, mode, global_tokens=counts["tokens"], global_sequences=counts["sequences"],

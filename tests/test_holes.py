@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs, AlgorithmConfig, Config, aggregate,
+from grpo import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AlgorithmConfig, Config, LossInputs, POLICY_LOSSES, aggregate,
                   backward_mini_batch, kl_penalty, token_rewards)
 from logprobs import batched_logprobs, make_batch, response_logprobs
 from plumbing.attention import PACKED_SDPA
@@ -165,8 +165,8 @@ EXPECTED_STATS = {
 @pytest.mark.parametrize("name", sorted(EXPECTED_LOSS))
 def test_policy_losses_over_valid_tokens_only(name):
     logprobs = NEW.clone().requires_grad_()
-    loss, stats = POLICY_LOSSES[name](logprobs=logprobs, old_logprobs=OLD, advantages=ADVANTAGES, mask=LOSS_MASK,
-                                      cfg=AlgorithmConfig())
+    inputs = LossInputs(logprobs=logprobs, old_logprobs=OLD, advantages=ADVANTAGES, mask=LOSS_MASK)
+    loss, stats = POLICY_LOSSES[name](inputs, AlgorithmConfig())
     assert loss.shape == stats.get("actor/clipfrac_higher", loss).shape == (2, 4)
     total = aggregate(loss, LOSS_MASK, "token-mean", global_tokens=4, global_sequences=2, token_sum_norm=4)
     assert total.item() == pytest.approx(EXPECTED_LOSS[name], abs=1e-5)
@@ -182,8 +182,8 @@ def test_policy_losses_over_valid_tokens_only(name):
 
 def test_gspo_sequence_ratio_comes_from_valid_tokens():
     """Per token, GSPO's loss on a row is -A exp(s): s = 0.2 on row 0, 0.75 on row 1 (holes' 50s left out)."""
-    loss, _ = POLICY_LOSSES["gspo"](logprobs=NEW, old_logprobs=OLD, advantages=ADVANTAGES, mask=LOSS_MASK,
-                                    cfg=AlgorithmConfig())
+    inputs = LossInputs(logprobs=NEW, old_logprobs=OLD, advantages=ADVANTAGES, mask=LOSS_MASK)
+    loss, _ = POLICY_LOSSES["gspo"](inputs, AlgorithmConfig())
     torch.testing.assert_close(loss[0, [0, 2]], torch.full((2,), -E(0.2)), atol=1e-5, rtol=0)
     torch.testing.assert_close(loss[1, [0, 3]], torch.full((2,), 2 * E(0.75)), atol=1e-5, rtol=0)
 

@@ -57,7 +57,7 @@ def reward_model_beside_async(folder):
     return two_steps(folder, "--reward.function", f"{folder}/rewards.py:lowercase", "--reward.model", "tiny:qwen2_rm",
                      "--reward.weights", "overall", "1", "model", "0.5", "--data.val-files", val, "--rollout.val-n",
                      "4", "--trainer.val-freq", "2", "--actor.micro-batch-size", "4", "--trainer.dist-timeout-minutes",
-                     "1")
+                     "1", "--algorithm.rollout-correction", "token_mask")  # on-policy: it asks for the old pass
 
 
 @uses_runs("reward_model_beside_async")
@@ -70,6 +70,7 @@ def test_an_async_reward_and_a_reward_model_weighted_together(runs):
     for m in metrics:
         assert m["train/reward_overall"] == pytest.approx(m["train/reward_function"] + 0.5 * m["train/reward_model"])
         assert m["train/reward_model_std"] > 0 and m["actor/pg_loss"] != 0 and "timing/reward" in m
+        assert m["rollout/correction_masked_tokens"] == 0  # (one mini-batch: without the old pass it would crash)
     assert "val/reward_model" in metrics[-1]
 
 

@@ -117,14 +117,15 @@ def assert_same_training(run):
     split, whole = run.metrics("split"), run.metrics("whole")
     assert len(split) == len(whole) == 2
     for a, b in zip(split, whole):
-        keys = [k for k in b if k.startswith(("actor/", "train/", "rollout/logprob"))]
+        keys = [k for k in b if k.startswith(("actor/", "train/", "rollout/logprob", "rollout/correction"))]
         assert keys and all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in keys), (a, b)
 
 
 @launched_run()
 def split_text_rows(folder):
     return split_and_whole(folder, [*SIGNAL, "--actor.max-tokens-per-micro-batch", "260",  # 2 micro-batches
-                                    "--reward.model", "tiny:qwen2_rm"])
+                                    "--reward.model", "tiny:qwen2_rm",
+                                    "--algorithm.rollout-correction", "sequence_mask"])
 
 
 @uses_runs("split_text_rows")
@@ -132,7 +133,8 @@ def split_text_rows(folder):
 def test_two_ranks_with_split_rows_train_as_two_ranks_without(runs):
     """`torchrun --nproc_per_node 2 grpo.py --actor.sequence-parallel-size 2` (one group of 2: both ranks train on
     both ranks' rollouts, each on half of every row) against the same job with 2 data-parallel ranks, a reward
-    model scoring beside the function (each rank's own rollouts, before they are shared: the same scores)."""
+    model scoring beside the function (each rank's own rollouts, before they are shared: the same scores) and
+    sequence-level masked importance weights (computed on the whole rows: the same weights)."""
     assert_same_training(runs["split_text_rows"])
     assert all("train/reward_model" in step for step in runs["split_text_rows"].metrics("split"))
 

@@ -64,7 +64,8 @@ def test_episodes_are_token_in_token_out_in_lockstep_and_the_trainer_scores_them
 def toy_tools_two_steps(folder):
     return ["toy_tools", "--rollout.engine", "hf", "--trainer.total-steps", "2", "--trainer.output-dir", folder,
             "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.save-freq", "0",
-            "--trainer.no-save-final", *FAST]
+            "--trainer.no-save-final", *FAST, "--algorithm.rollout-correction", "geometric_mask",
+            "--algorithm.correction-low", "0.999", "--algorithm.correction-high", "1.001"]
 
 
 @uses_runs("toy_tools_two_steps")
@@ -83,6 +84,8 @@ def test_the_toy_tools_preset_trains_two_steps(runs):
         assert set(stops) == {f"episode/stop_{reason}" for reason in ("answered", "max_turns", "length", "tool_errors")}
         assert sum(stops.values()) == pytest.approx(1.0)
         assert m["rollout/logprob_diff_max"] < ENGINE_GAP
+        # geometric masking within 0.1%: the tool's tokens (the engine logs 0 for them) stay out of the mean
+        assert m["rollout/correction_masked_sequences"] == 0
     # a random model's turns seldom begin with a digit, and any other turn is the toy parser's call: tool turns happen
     assert all(m["episode/tool_calls"] > 0.5 and m["episode/masked_share"] > 0.5 for m in metrics)
     # the tiny models' chat template does not render `tools`: said once, over both ranks

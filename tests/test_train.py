@@ -31,14 +31,15 @@ def end_to_end(folder):
     return ["--trainer.total-steps", "3", "--trainer.output-dir", folder, "--trainer.experiment-name", "e2e",
             "--trainer.val-freq", "2", "--rollout.val-n", "4", *FAST, *SIGNAL, "--trainer.global-batch-size", "4",
             "--trainer.ppo-epochs", "2", "--actor.weight-decay", "0", "--trainer.save-model-only", "--trainer.logger",
-            "console", "jsonl", "tensorboard"]
+            "console", "jsonl", "tensorboard", "--algorithm.rollout-correction", "token_truncate"]
 
 
 @uses_runs("end_to_end")
 @pytest.mark.slow
 def test_three_steps_end_to_end(runs):
     """2 PPO epochs x 2 mini-batches of 4 prompts: 4 optimizer steps per training step; a reward the random model
-    earns and no weight decay, so the policy gradient is what moves the weights; model-only checkpoints."""
+    earns and no weight decay, so the policy gradient is what moves the weights; model-only checkpoints; token TIS
+    (weights of about 1: the fp32 engine is the trainer's policy to rounding)."""
     folder = runs["end_to_end"].folder
     run_dir = folder / "e2e"
     metrics = read_metrics(run_dir)
@@ -52,6 +53,9 @@ def test_three_steps_end_to_end(runs):
                     "perf/tokens_per_s", "perf/peak_memory_gib"):
             assert key in m, key
         assert m["rollout/logprob_diff_max"] < ENGINE_GAP, "vLLM and the trainer disagree: stale engine?"
+        assert abs(m["rollout/correction_weight_min"] - 1) < ENGINE_GAP > abs(m["rollout/correction_weight_max"] - 1)
+        assert m["rollout/correction_truncated_tokens"] == m["rollout/correction_masked_tokens"] == 0
+        assert 0 <= m["rollout/kl_engine_trainer"] < ENGINE_GAP
         assert m["actor/pg_loss"] != 0 and m["train/reward_overall_std"] > 0  # a learning signal, not only the KL
     assert "val/reward_overall" in metrics[1] and "val/reward_overall" in metrics[2]
     for m in metrics[1:]:  # pass@k over both ranks' prompts, 4 samples each: more samples, more chances
