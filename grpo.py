@@ -693,7 +693,8 @@ def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel =
     own = torch.zeros_like(mask)  # [B, R], filled micro-batch by micro-batch
     for rows in micro_batches(batch, cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch):
         micro = batch.select(rows)
-        logprobs = response_logprobs(model, micro, cfg.rollout.temperature, cfg.actor.padding_free, sp)  # [b, R]
+        logprobs = response_logprobs(model, micro, cfg.rollout.temperature, cfg.actor.padding_free, sp,
+                                     cfg.rollout.top_k, cfg.rollout.top_p)  # [b, R]
         own[torch.tensor(rows, device=mask.device)] = logprobs.detach()
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages, mask=micro.loss_mask,
@@ -854,7 +855,8 @@ def main(cfg: Config) -> None:
     engine_old = algo.old_logprobs == "engine"  # the engine's log-probs are the old ones: no pass either
     mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n * sp.size // world  # sequences a rank trains on per
     passes = dict(temperature=cfg.rollout.temperature, micro_batch_size=cfg.actor.micro_batch_size,  # optimizer step
-                  max_tokens=cfg.actor.max_tokens_per_micro_batch, padding_free=cfg.actor.padding_free, sp=sp)
+                  max_tokens=cfg.actor.max_tokens_per_micro_batch, padding_free=cfg.actor.padding_free, sp=sp,
+                  top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
     sum_once = sum_over_ranks if sp.size == 1 else lambda x: sum_over_ranks(x) / sp.size  # a group's rows: N copies
     trackers = Trackers(list(cfg.trainer.logger) if rank == 0 else [], run_dir, dataclasses.asdict(cfg),
                         cfg.trainer.project_name, cfg.trainer.experiment_name, resume_step=first_step - 1)

@@ -296,25 +296,46 @@ def sequence_starts(lengths: list[int], padding_free: bool) -> list[int]:
     return [b * max(lengths) for b in range(len(lengths))]
 
 
+def sampled_support(logits: torch.Tensor, targets: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The logits [c, V] of the tokens the engines sample from, -inf elsewhere: top-k, then top-p over what is left
+    (vLLM's and transformers' order and rule: sorted ascending, the tokens whose cumulative probability is at most
+    1 - top_p leave, the largest always stays), the sampled target always kept (the engine kept it). Example: probs
+    [0.5, 0.3, 0.15, 0.05], top-p 0.75 -> the first two, renormalised to [0.625, 0.375]."""
+    leave = torch.zeros_like(logits, dtype=torch.bool)  # [c, V]
+    if top_k > 0:
+        leave |= logits < logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
+    if top_p < 1:
+        ascending, order = logits.masked_fill(leave, -torch.inf).sort(-1)
+        below = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        below[:, -1] = False
+        leave |= torch.zeros_like(below).scatter(-1, order, below)
+    return logits.masked_fill(leave.scatter(-1, targets[:, None], False), -torch.inf)
+
+
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    placeholders: list[int]) -> torch.Tensor:
-    """log softmax(head(hidden) / temperature)[target] for one chunk: [c, H] -> [c], through fp32 logits."""
+                    placeholders: list[int], top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature)[target] for one chunk: [c, H] -> [c], through fp32 logits; with
+    top-k / top-p, the softmax over the tokens sampling kept (sampled_support), as the engines' log-probs are."""
     logits = head(hidden).float() / temperature  # [c, V]
     if placeholders:
         logits[:, placeholders] += PLACEHOLDER_BIAS / temperature
+    if top_k > 0 or top_p < 1:
+        logits = sampled_support(logits, targets, top_k, top_p)
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [c]
 
 
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                  placeholders: list[int], chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+                  placeholders: list[int], chunk: int = CHUNK_TOKENS, top_k: int = -1, top_p: float = 1.0
+                  ) -> torch.Tensor:
     """Log-probs of `targets` [N] from the hidden states that predict them [N, H], `chunk` tokens at a time;
     with gradients, each chunk's logits are recomputed in the backward pass instead of kept."""
     pieces = []
     for h, y in zip(hidden.split(chunk), targets.split(chunk)):
         if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logprobs, head, h, y, temperature, placeholders, use_reentrant=False))
+            pieces.append(checkpoint(_chunk_logprobs, head, h, y, temperature, placeholders, top_k, top_p,
+                                     use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(head, h, y, temperature, placeholders))
+            pieces.append(_chunk_logprobs(head, h, y, temperature, placeholders, top_k, top_p))
     return torch.cat(pieces) if pieces else hidden.new_zeros(0)
 
 
@@ -349,9 +370,9 @@ def _over_micro_batches(model, batch: Batch, micro_batch_size: int, max_tokens: 
 
 
 def response_logprobs(model, batch: Batch, temperature: float, padding_free: bool = True,
-                      sp: SequenceParallel = NO_SP) -> torch.Tensor:
+                      sp: SequenceParallel = NO_SP, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
     """log pi(response token | everything before it), logits divided by the sampling temperature -> [b, R],
-    0 on padding.
+    0 on padding; with top-k / top-p, of the distribution sampling kept (sampled_support), as the engines' are.
 
     A vision-language model's image placeholder tokens get the engines' logit bias (vision.py). With sequence
     parallelism every rank of the group computes the log-probs of the tokens its slice predicts, and all of them
@@ -363,19 +384,21 @@ def response_logprobs(model, batch: Batch, temperature: float, padding_free: boo
     hidden = states.flatten(0, 1)[index]  # [N, H]: the positions that predict the response tokens
     b, R = batch.responses.shape
     values = head_logprobs(model.get_output_embeddings(), hidden, batch.responses.flatten()[slots], temperature,
-                           placeholder_token_ids(model.config))  # [N]
+                           placeholder_token_ids(model.config), top_k=top_k, top_p=top_p)  # [N]
     out = values.new_zeros(b * R).index_copy(0, slots, values)  # [b * R], 0 on padding
     return sp.gather(out).view(b, R)
 
 
 @torch.no_grad()
 def batched_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int, max_tokens: int = 0,
-                     padding_free: bool = True, sp: SequenceParallel = NO_SP) -> torch.Tensor:
+                     padding_free: bool = True, sp: SequenceParallel = NO_SP, top_k: int = -1, top_p: float = 1.0
+                     ) -> torch.Tensor:
     """response_logprobs over micro-batches (_over_micro_batches: eval mode, the root resharded after) -> [B, R]: the
     old and the reference log-probs. The update's own forward keeps the model's dropout."""
     out = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)  # [B, R]
     return _over_micro_batches(model, batch, micro_batch_size, max_tokens, out,
-                               lambda micro: response_logprobs(model, micro, temperature, padding_free, sp))
+                               lambda micro: response_logprobs(model, micro, temperature, padding_free, sp, top_k,
+                                                               top_p))
 
 
 def sequence_scores(model, batch: Batch, padding_free: bool = True) -> torch.Tensor:

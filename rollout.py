@@ -15,7 +15,8 @@ Design decisions:
   trainer's, which is how a stale engine would otherwise slip through silently.
 - Log-probs are those of the distribution actually sampled from (after temperature, top-k, top-p), the
   quantity the trainer recomputes, so their gap measures engine staleness and numerics. With top_p < 1
-  or top_k > 0 the engines renormalise over the kept tokens, so the gap then also includes that truncation.
+  or top_k > 0 the engines renormalise over the kept tokens, and the trainer over the same ones
+  (logprobs.sampled_support).
 - Every generate call samples from its own RNG streams (torch's and numpy's: vLLM's two model runners read one
   each), seeded from (seed, engine, step, purpose, call index) and swapped in around the call (`sampling_rng`):
   the ranks of a tensor-parallel engine then draw identical
@@ -58,9 +59,9 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (the trainer divides its logits by the same value)."""
     top_p: float = 1.0
-    """Nucleus sampling threshold."""
+    """Nucleus sampling threshold (the trainer's log-probs are then over the kept tokens too)."""
     top_k: int = -1
-    """Top-k sampling (-1: off)."""
+    """Top-k sampling (-1: off; the trainer's log-probs are then over the kept tokens too)."""
     max_response_length: int = 4
     """Maximum tokens generated per response."""
     val_n: int = 1

@@ -162,12 +162,6 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, correction
         problems.append(f"--algorithm.old-logprobs engine with --algorithm.rollout-correction "
                         f"{algo.rollout_correction}: the engine's log-probs are the old ones, so every weight would be "
                         "1 (the clip bounds pi / mu itself); drop one of the two")
-    uses_engine = algo.old_logprobs == "engine" or algo.rollout_correction != "none"
-    if uses_engine and (cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0):
-        problems.append(f"--rollout.top-p {cfg.rollout.top_p} / --rollout.top-k {cfg.rollout.top_k} with the engine's "
-                        "log-probs in the loss (--algorithm.rollout-correction, --algorithm.old-logprobs engine): "
-                        "the engine's are over the tokens it kept, the trainer's over the whole vocabulary, so their "
-                        "ratio is biased; sample with --rollout.top-p 1 --rollout.top-k -1")
     if algo.use_kl_loss and algo.use_kl_in_reward:
         problems.append("--algorithm.use-kl-loss and --algorithm.use-kl-in-reward: pick one place for the KL")
     if algo.online_filtering and algo.max_sampling_rounds < 1:

@@ -32,14 +32,15 @@ from vision import Video, expand_prompt
 TEMPERATURE = 0.7
 
 
-def logprob_gap(actor, prompts, groups, pad_id, processor=None):
-    """Max |trainer - engine| log-prob over every generated token (prompts with images: `processor` expands them)."""
+def logprob_gap(actor, prompts, groups, pad_id, processor=None, **support):
+    """Max |trainer - engine| log-prob over every generated token (prompts with images: `processor` expands them;
+    `support`: the top_k / top_p the trainer's log-probs are renormalised under)."""
     expanded = [expand_prompt(processor, p) if processor else (p["prompt_ids"], None) for p, g in zip(prompts, groups)
                 for _ in g]
     responses = [r for g in groups for r in g]
     batch = make_batch([ids for ids, _ in expanded], [r.token_ids for r in responses], pad_id,
                        vision=[images for _, images in expanded] if processor else None)
-    trainer = batched_logprobs(actor, batch, temperature=TEMPERATURE, micro_batch_size=8)
+    trainer = batched_logprobs(actor, batch, temperature=TEMPERATURE, micro_batch_size=8, **support)
     gap = 0.0
     for b, r in enumerate(responses):
         gap = max(gap, (trainer[b, : len(r.logprobs)] - torch.tensor(r.logprobs)).abs().max().item())
@@ -66,6 +67,12 @@ def generate_and_sync(engine: str, architecture: str, out: str) -> list[dict] | 
     prompts = [{"prompt_ids": [1, 40 + i + rank, 41, 2, 1, 18][: 3 + i]} for i in range(4)]  # lengths 3..6
     before = rollout.generate(prompts, version=0)
     gap_initial = logprob_gap(actor, prompts, before, pad_id=0)
+    # top-k then top-p: the engine's log-probs are over the tokens it kept, the trainer's too when told the same
+    rollout.cfg.top_k, rollout.cfg.top_p = 5, 0.7
+    truncated = rollout.generate(prompts, version=0)
+    rollout.cfg.top_k, rollout.cfg.top_p = -1, 1.0
+    gap_truncated = logprob_gap(actor, prompts, truncated, 0, top_k=5, top_p=0.7)
+    gap_full_softmax = logprob_gap(actor, prompts, truncated, 0)
     # vision-language models: a prompt with one image placeholder (vLLM expands it), before and after the sync
     image_prompts = []
     if architecture in VISION_ARCHITECTURES:
@@ -110,7 +117,8 @@ def generate_and_sync(engine: str, architecture: str, out: str) -> list[dict] | 
         "n_per_prompt": [len(g) for g in after],
         "responses": [[{"token_ids": r.token_ids, "truncated": r.truncated, "n_logprobs": len(r.logprobs)} for r in g]
                       for g in before + after],
-        "gap_initial": gap_initial, "gap_stale": gap_stale, "gap_synced": gap_synced, "stale_error": stale_error,
+        "gap_initial": gap_initial, "gap_truncated": gap_truncated, "gap_full_softmax": gap_full_softmax,
+        "gap_stale": gap_stale, "gap_synced": gap_synced, "stale_error": stale_error,
         "tied": bool(getattr(actor.config, "tie_word_embeddings", False)),
         "stream_exact": stream_exact, "ref_dtypes": ref_dtypes, "ref_gap": ref_gap,
         "image_group_sizes": [len(g) for g in image_groups], "image_gap": image_gap,

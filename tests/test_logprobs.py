@@ -324,3 +324,31 @@ def test_the_no_grad_passes_run_without_dropout(tmp_path, world_of_one):
     assert torch.equal(first, second) and model.training
     with torch.no_grad():  # what the same pass gives in train mode: dropout draws differently each time
         assert not torch.equal(response_logprobs(model, batch, 1.0), response_logprobs(model, batch, 1.0))
+
+
+def test_the_trainer_renormalises_over_what_top_k_then_top_p_kept():
+    """sampled_support by hand (tests/test_rollout.py's hf-engine example): logits [2, 1.5, 1, 0, -1, -3], top-k 4
+    keeps the first four, p = [.474, .288, .174, .064]; top-p 0.8 drops the last of those (cumulative share from the
+    bottom at most 0.2); token 1 then has e^1.5 / (e^2 + e^1.5 + e^1). A sampled token outside the trainer's set
+    (rounding apart from the engine's) stays in it. On random logits the trainer's log-probs are the hf engine's."""
+    from rollout import _SampledLogprobs
+
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]] * 2)
+    kept = logprobs.sampled_support(logits, torch.tensor([1, 4]), top_k=4, top_p=0.8)
+    assert torch.isfinite(kept[0, :3]).all() and torch.isinf(kept[0, 3:]).all()
+    assert torch.isfinite(kept[1, [0, 1, 2, 4]]).all() and torch.isinf(kept[1, [3, 5]]).all()  # the target 4 stays
+    head = torch.nn.Linear(6, 6, bias=False)
+    head.weight.data = torch.eye(6)
+    values = logprobs.head_logprobs(head, logits, torch.tensor([1, 1]), 1.0, [], top_k=4, top_p=0.8)
+    assert values[0].item() == pytest.approx(1.5 - math.log(math.exp(2) + math.exp(1.5) + math.exp(1)))
+    assert logprobs.head_logprobs(head, logits, torch.tensor([1, 1]), 1.0, [])[0].item() == pytest.approx(
+        1.5 - torch.logsumexp(logits[0], -1).item())  # no truncation: the full softmax
+    g = torch.Generator().manual_seed(0)
+    random, targets = torch.randn(16, 50, generator=g) * 3, torch.zeros(16, dtype=torch.long)
+    engine = _SampledLogprobs(temperature=0.7, top_p=0.7, top_k=10, placeholders=[])
+    engine(torch.zeros(16, 1, dtype=torch.long), random.clone())
+    targets = torch.stack([row.argmax() for row in random])  # a token both keep
+    head = torch.nn.Linear(50, 50, bias=False)
+    head.weight.data = torch.eye(50)
+    torch.testing.assert_close(logprobs.head_logprobs(head, random, targets, 0.7, [], top_k=10, top_p=0.7),
+                               engine.finish(targets[:, None])[:, 0])

@@ -51,6 +51,9 @@ def test_generate_and_sync_changed_weights(generated, engine, architecture):
                 assert EOS not in response["token_ids"][:-1]  # nothing after the first EOS
                 finished += ends_with_eos
         assert r["gap_initial"] < ENGINE_GAP
+        # sampled with top-k 5 then top-p 0.7: the trainer's log-probs over the same kept tokens (its full softmax's
+        # are off by the kept share)
+        assert r["gap_truncated"] < ENGINE_GAP and r["gap_full_softmax"] > 0.05
         assert r["gap_stale"] > 0.05, "the perturbation must change the log-probs for the test to mean anything"
         assert "sync_weights() was skipped" in r["stale_error"]
         assert r["gap_synced"] < ENGINE_GAP
