@@ -913,6 +913,9 @@ def main(cfg: Config) -> None:
             if cfg.actor.balance_ranks and world > sp.size:  # over the data-parallel ranks
                 with timer("balance"):
                     batch = balance_over_ranks(batch, mini_batch, tokenizer.pad_token_id, sp.data_parallel)
+            if cfg.rollout.staleness:  # the engine takes the weights the update starts from: a step behind at the next
+                with timer("sync"):
+                    rollout.sync_weights(actor, version=step - 1)
             with timer("update"):
                 update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg, sp)
                 scheduler.step()
@@ -923,7 +926,8 @@ def main(cfg: Config) -> None:
 
             # ---- sync the engine ---------------------------------------------------------------------
             with timer("sync"):  # the training state leaves the GPU (offload) before the engine's KV cache wakes
-                rollout.sync_weights(actor, version=step, on_loaded=training_state.to_host)
+                if not cfg.rollout.staleness:
+                    rollout.sync_weights(actor, version=step, on_loaded=training_state.to_host)
 
             # ---- validate, log, save -----------------------------------------------------------------
             metrics.update(score_metrics("train", groups, device))

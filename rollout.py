@@ -83,6 +83,10 @@ class RolloutConfig:
     """vLLM on GPU: skip CUDA graph capture (faster start-up, slower decoding). On CPU vLLM always runs eagerly."""
     seed: int = 1
     """Sampling seed; each generate call's RNG is seeded from it, the engine's index, the step and the call."""
+    staleness: int = 0
+    """vllm: 1 samples each step with the weights of the step before (an asynchronous trainer's engine, one step
+    behind: what the rollout correction is for). A study setting: the engine takes the weights the update starts
+    from and stays awake through it (no memory is freed for the update), and validation samples a step behind too."""
     tools: str = ""
     """Multi-turn episodes with tool calls (tools.py): a Python file or module whose public functions are the tools,
     or a built-in set (toy, calculator); empty: one turn, no tools."""
@@ -140,7 +144,8 @@ def start_engine(cfg: RolloutConfig, model_path: str, max_model_len: int, actor,
 
 
 def check_version(engine, version: int) -> None:
-    if version != engine.weights_version:
+    """The engine holds step `version`'s weights, or (--rollout.staleness) trails it by at most that many steps."""
+    if not version - engine.cfg.staleness <= engine.weights_version <= version:
         raise RuntimeError(f"the rollout engine holds the weights of step {engine.weights_version} but the trainer "
                            f"is at step {version}: sync_weights() was skipped")
 

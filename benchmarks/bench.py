@@ -3,7 +3,8 @@ trainer's update against a bare FSDP2 loop, padding-free against padded, the log
 
     .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --n 8 --max-tokens 512
-    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video, rewards or sp
+    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video, rewards, sp
+                                                           # or correction
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -35,9 +36,17 @@ Each part runs in its own process (two vLLM engines do not share one process wel
 - sp (`--only sp`): sequence parallelism. One long sequence through the update's forward and backward on 2 ranks,
   whole and cut over both (sequence_parallel.py), at 2k to 16k tokens, each in a fresh process: a rank's peak
   memory above what it held before (the longest each holds within one budget) and seconds per update.
+- correction (`--only correction`): the rollout correction. The default job with 2 mini-batches a step (so the
+  old-log-prob pass runs) against the engine's log-probs as the old ones (--algorithm.old-logprobs engine: no pass),
+  and with sequence_mask: seconds per phase; then a bf16 engine beside the fp32 trainer (the gap a GPU's bf16 vLLM
+  has), its gap and the weights sequence_mask and token_truncate give it; means over steps 2 to --steps. Then the
+  positive control (`--only curves`, about 10 minutes): the whole default job in sync, and with an engine a step
+  behind (--rollout.staleness 1) uncorrected, with sequence_mask and with token_truncate; a table and the figure
+  docs/rollout_correction.png.
 """
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -575,9 +584,78 @@ def sp_tables(args) -> None:
         print(f"{length:,} tokens: {data_parallel:,.0f} against {split:,.0f} tokens/s ({data_parallel / split:.2f}x).")
 
 
+def correction_tables(args) -> None:
+    two = ("--trainer.global-batch-size", "16")  # 2 mini-batches a step: the old log-probs need their own pass
+    rows = [("the trainer's old-log-prob pass", two),
+            ("the engine's log-probs as the old ones (--algorithm.old-logprobs engine)",
+             two + ("--algorithm.old-logprobs", "engine")),
+            ("the pass, and sequence_mask weights", two + ("--algorithm.rollout-correction", "sequence_mask"))]
+    keys = ("timing/old_logprob", "timing/update", "timing/step")
+    print(f"The old-log-prob pass and the correction, the default job with 2 mini-batches a step, mean seconds over "
+          f"steps 2-{args.steps}:\n\n| old log-probs | {' | '.join(keys)} |\n|---|---|---|---|")
+    for name, flags in rows:
+        lines = job_steps(args, "toy", flags)
+        print(f"| {name} | " + " | ".join(f"{sum(m[k] for m in lines) / len(lines):.3f}" for k in keys) + " |")
+    keys = ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/kl_engine_trainer",
+            "rollout/correction_weight_p05", "rollout/correction_weight_p95", "rollout/correction_weight_min",
+            "rollout/correction_weight_max", "rollout/correction_masked_sequences")
+    print(f"\nA bf16 vLLM beside the fp32 trainer (--rollout.dtype bfloat16), means over steps 2-{args.steps}:\n\n"
+          f"| mode | {' | '.join(keys)} |\n|---|" + "---|" * len(keys))
+    for mode in ("sequence_mask", "token_truncate"):
+        lines = job_steps(args, "toy", ("--rollout.dtype", "bfloat16", "--algorithm.rollout-correction", mode))
+        print(f"| {mode} | " + " | ".join(f"{sum(m.get(k, 0) for m in lines) / len(lines):.2e}" for k in keys) + " |")
+
+
+def correction_curves(args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    stale = ("--rollout.staleness", "1")
+    runs = [("in sync (the default job)", ()), ("a step behind, no correction", stale),
+            ("a step behind, sequence_mask (C 3)", stale + ("--algorithm.rollout-correction", "sequence_mask")),
+            ("a step behind, token_truncate (C 2)", stale + ("--algorithm.rollout-correction", "token_truncate",
+                                                             "--algorithm.correction-high", "2"))]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, flags) in enumerate(runs):
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                            "29535", "grpo.py", *flags, "--trainer.output-dir", tmp, "--trainer.experiment-name",
+                            str(i), "--trainer.no-save-final", "--trainer.save-freq", "0"],
+                           check=True, cwd=ROOT, capture_output=not args.verbose)
+            lines = [json.loads(line) for line in (Path(tmp) / str(i) / "metrics.jsonl").read_text().splitlines()]
+            results[name] = [m for m in lines if m["step"] > 0]
+    print("\nThe default job (120 steps) with its engine in sync or a step behind:\n\n| engine, correction | "
+          "train reward, step 1 -> mean of the last 5 | first step its 5-step mean >= 0.8 | final validation | "
+          "gap (mean) | KL(engine, trainer) | sequences masked |\n|---|---|---|---|---|---|---|")
+    figure, (reward, gap) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
+    for name, lines in results.items():
+        rewards = [m["train/reward_overall"] for m in lines]
+        smooth = [sum(rewards[max(0, i - 4): i + 1]) / len(rewards[max(0, i - 4): i + 1]) for i in range(len(rewards))]
+        first = next((m["step"] for m, r in zip(lines, smooth) if r >= 0.8), "-")
+        keys = ("rollout/logprob_diff_mean", "rollout/kl_engine_trainer", "rollout/correction_masked_sequences")
+        mean = {k: sum(m.get(k, 0) for m in lines[1:]) / (len(lines) - 1) for k in keys}
+        print(f"| {name} | {rewards[0]:.3f} -> {sum(rewards[-5:]) / 5:.3f} | {first} | "
+              f"{lines[-1].get('val/reward_overall', float('nan')):.2f} | {mean['rollout/logprob_diff_mean']:.1e} | "
+              f"{mean['rollout/kl_engine_trainer']:.1e} | {mean['rollout/correction_masked_sequences']:.3f} |")
+        steps = [m["step"] for m in lines]
+        reward.plot(steps, smooth, label=name)
+        gap.plot(steps, [max(m["rollout/logprob_diff_mean"], 1e-9) for m in lines], label=name)
+    reward.set(title="train reward (mean of 5 steps)", xlabel="step")
+    gap.set(title="engine vs trainer log-prob gap", xlabel="step", yscale="log")
+    reward.legend(fontsize=8)
+    figure.tight_layout()
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    Image.open(png).convert("RGB").quantize(64).save(ROOT / "docs" / "rollout_correction.png", optimize=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video", "rewards", "sp"],
+    parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video", "rewards", "sp", "correction",
+                                           "curves"],
                         help="one part of the benchmark")
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
@@ -614,6 +692,10 @@ def main():
         rewards_tables(args)
     if args.only in (None, "sp"):
         sp_tables(args)
+    if args.only in (None, "correction"):
+        correction_tables(args)
+    if args.only in (None, "curves"):
+        correction_curves(args)
 
 
 if __name__ == "__main__":

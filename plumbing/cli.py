@@ -136,6 +136,12 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, correction
         problems.append("--actor.offload-while-generating with --actor.fsdp-cpu-offload: FSDP2's CPU offload already "
                         "keeps the parameters, gradients and AdamW states in host memory (and moving its model to the "
                         "GPU puts the shards straight back); drop --actor.offload-while-generating")
+    if r.staleness not in (0, 1):
+        problems.append(f"--rollout.staleness {r.staleness}: 0 or 1 (the engine a step behind)")
+    elif r.staleness and (r.engine == "hf" or cfg.actor.offload_while_generating):
+        problems.append("--rollout.staleness 1 needs --rollout.engine vllm (the hf engine samples with the trainer's "
+                        "model itself) and keeps the engine awake through the update: drop "
+                        "--actor.offload-while-generating")
     if cfg.actor.offload_while_generating and cfg.rollout.engine == "hf":
         problems.append("--actor.offload-while-generating: the hf engine generates with the actor itself; use "
                         "--rollout.engine vllm or drop the flag")

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import grpo
-from conftest import FAST, SIGNAL
+from conftest import ENGINE_GAP, FAST, SIGNAL
 from grpo import ROLLOUT_CORRECTIONS, AlgorithmConfig, Config, backward_mini_batch, rollout_weights
 from launches import launched_run, uses_runs
 from logprobs import batched_logprobs, make_batch
@@ -163,10 +163,26 @@ def test_the_engine_trainer_kl_is_k3_of_the_ratio(world_of_one):
     (["--algorithm.rollout-correction", "token_mask", "--algorithm.correction-low", "3"], "need 0 <= low < high"),
     (["--algorithm.old-logprobs", "engine", "--algorithm.rollout-correction", "sequence_mask"],
      "every weight would be 1"),
+    (["--rollout.staleness", "2"], "0 or 1"),
+    (["--rollout.staleness", "1", "--rollout.engine", "hf"], "the hf engine samples with the trainer's model"),
 ])
 def test_combinations_that_cannot_work_are_refused(argv, message):
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         grpo.check_config(grpo.parse_config(argv), world_size=1)
+
+
+def test_a_stale_engine_may_trail_by_its_staleness_and_no_more():
+    from types import SimpleNamespace
+
+    from rollout import RolloutConfig, check_version
+
+    engine = SimpleNamespace(cfg=RolloutConfig(staleness=1), weights_version=4)
+    check_version(engine, 4)
+    check_version(engine, 5)  # one step behind: asked for
+    with pytest.raises(RuntimeError, match="holds the weights of step 4 but the trainer is at step 6"):
+        check_version(engine, 6)
+    with pytest.raises(RuntimeError, match="sync_weights"):
+        check_version(SimpleNamespace(cfg=RolloutConfig(), weights_version=4), 5)
 
 
 # ---------------------------------------------------------------- through the entry point (the modes: in the runs of
@@ -175,13 +191,15 @@ def test_combinations_that_cannot_work_are_refused(argv, message):
 
 @launched_run()
 def old_logprobs_from_the_engine(folder):
-    """2 steps of 2 mini-batches: the trainer's old-log-prob pass (with sequence TIS), and the engine's log-probs as
-    the old ones in its place."""
+    """2 steps of 2 mini-batches: the trainer's old-log-prob pass (with sequence TIS), the engine's log-probs as
+    the old ones in its place, and the pass with token TIS beside an engine a step behind."""
     return [["--trainer.total-steps", "2", "--trainer.output-dir", folder, "--trainer.experiment-name", name,
              "--trainer.val-freq", "0", "--trainer.no-val-before-train", "--trainer.no-save-final",
              "--trainer.save-freq", "0", *FAST, *SIGNAL, "--trainer.global-batch-size", "4", *flags]
             for name, flags in [("trainer", ["--algorithm.rollout-correction", "sequence_truncate"]),
-                                ("engine", ["--algorithm.old-logprobs", "engine"])]]
+                                ("engine", ["--algorithm.old-logprobs", "engine"]),
+                                ("stale", ["--rollout.staleness", "1", "--algorithm.rollout-correction",
+                                           "token_truncate", "--algorithm.correction-high", "1.01"])]]
 
 
 @uses_runs("old_logprobs_from_the_engine")
@@ -199,3 +217,17 @@ def test_the_engines_log_probs_in_place_of_the_old_pass_train_the_same(runs):
         assert a["actor/optimizer_steps"] == b["actor/optimizer_steps"] == 2
         assert b["timing/old_logprob"] < 0.1 * a["timing/old_logprob"]
         assert "rollout/correction_weight_mean" in a and "rollout/correction_weight_mean" not in b
+
+
+@uses_runs("old_logprobs_from_the_engine")
+@pytest.mark.slow
+def test_an_engine_a_step_behind_is_a_real_gap_the_weights_see(runs):
+    """--rollout.staleness 1: step 1 samples with the checkpoint as the trainer holds it (no gap), step 2 with the
+    weights before step 1's update while the trainer holds those after it: a gap of update size, token weights
+    away from 1 and truncated at C = 1.01 where the engine's token is the likelier."""
+    first, second = runs["old_logprobs_from_the_engine"].metrics("stale")
+    assert first["rollout/logprob_diff_max"] < ENGINE_GAP and first["rollout/correction_truncated_tokens"] == 0
+    assert second["rollout/logprob_diff_mean"] > 30 * ENGINE_GAP
+    assert second["rollout/correction_weight_max"] == pytest.approx(1.01)
+    assert 0 < second["rollout/correction_truncated_tokens"] < 1 and second["rollout/correction_weight_min"] < 0.99
+    assert second["rollout/kl_engine_trainer"] > 0
