@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 from conftest import ENGINE_GAP, FAST, SIGNAL
-from grpo import ROLLOUT_CORRECTIONS, AlgorithmConfig, Config, backward_mini_batch, rollout_weights
+from grpo import POLICY_LOSSES, ROLLOUT_CORRECTIONS, AlgorithmConfig, Config, backward_mini_batch, rollout_weights
 from launches import launched_run, uses_runs
 from logprobs import batched_logprobs, make_batch
 from plumbing.attention import PACKED_SDPA
@@ -77,9 +77,9 @@ PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
 RESPONSES = [[11, 12, 13, 14], [15, 16], [17, 18, 19], [20, 21, 22, 23, 24]]
 
 
-def gradients(model, batch, agg: str = "token-mean", kl: bool = True) -> dict:
+def gradients(model, batch, agg: str = "token-mean", kl: bool = True, loss: str = "ppo_clip") -> dict:
     cfg = Config()
-    cfg.algorithm.loss_agg_mode, cfg.algorithm.use_kl_loss = agg, kl
+    cfg.algorithm.loss_agg_mode, cfg.algorithm.use_kl_loss, cfg.algorithm.loss_type = agg, kl, loss
     model.zero_grad(set_to_none=True)
     backward_mini_batch(model, batch, cfg)
     return {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -114,6 +114,13 @@ def test_a_weight_of_one_is_no_correction_and_a_weight_of_zero_is_a_hole(model, 
     # positive control: the masked tokens mattered (a denominator that still counted them would differ too)
     assert max((masked[k] - plain[k]).abs().max().item() for k in plain) > 0.05 * max(
         g.abs().max().item() for g in plain.values())
+
+
+@pytest.mark.parametrize("loss", sorted(POLICY_LOSSES))
+def test_weights_of_one_leave_every_loss_as_it_was(model, batch, world_of_one, loss):
+    ones = replace(batch, rollout_weights=torch.ones_like(batch.response_mask))
+    plain, weighted = gradients(model, batch, loss=loss), gradients(model, ones, loss=loss)
+    assert all(torch.equal(plain[k], weighted[k]) for k in plain)
 
 
 def test_a_weight_scales_its_tokens_policy_gradient_and_not_the_kl(model, batch, world_of_one):
