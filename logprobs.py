@@ -151,7 +151,7 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
 
 
 def batch_of(groups: list, processor, pad_id: int, device: torch.device) -> Batch:
-    """The trainer's batch of a step's groups (grpo.Group: a prompt's item and its responses): a row per response,
+    """The trainer's batch of a step's groups (rewards.Group: a prompt's item and its responses): a row per response,
     after its prompt; every image and video placeholder expanded to its tokens (vision.expand: the prompt's once per
     group, a tool's images in the response), and the row's pixel tensors, the prompt's then the response's."""
     prompts, responses, masks, engine_logprobs, vision = [], [], [], [], []

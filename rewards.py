@@ -1,8 +1,8 @@
 """Rewards: turn decoded responses into scores, `{"overall": float, <sub-score>: float, ...}` per sample.
 
 Design decisions:
-- A reward is a plain function, either a built-in below (toy, math, r1v, toy_tools) or a user's
-  `path/to/file.py:function`. Per-sample kind: fn(RewardInput, **kwargs) -> dict; batch kind
+- A reward is a plain function, either a built-in below (toy, math, r1v, toy_tools, code, judge, none) or a
+  user's `path/to/file.py:function`. Per-sample kind: fn(RewardInput, **kwargs) -> dict; batch kind
   (`--reward.batch`, e.g. for a reward model): fn(list[RewardInput], **kwargs) -> list[dict].
 - The input carries everything users ask for: response, its token length, ground truth, the prompt,
   the whole dataset row and its images.

@@ -83,7 +83,7 @@ def correction_metrics(batch, cap: float | None) -> dict[str, torch.Tensor]:
 
 
 def score_metrics(prefix: str, groups: list, device: torch.device) -> dict[str, torch.Tensor]:
-    """Mean/std of every reward key and response-length stats over all ranks (`groups`: grpo.Group records)."""
+    """Mean/std of every reward key and response-length stats over all ranks (`groups`: rewards.Group records)."""
     scores = [s for g in groups for s in g.scores]
     responses = [r for g in groups for r in g.responses]
     keys = union_over_ranks(list(scores[0]) if scores else [])  # a rank without samples reduces the same keys
@@ -120,7 +120,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def pass_metrics(prefix: str, groups: list, device: torch.device) -> dict[str, torch.Tensor]:
     """pass@k of every reward key for k = 1, 2, 4, ... up to the samples per prompt, the mean over all ranks'
     prompts, and the half-width of its 95% interval over prompts (normal approximation: 1.96 x the standard error):
-    `{prefix}/pass@{k}/{key}` and `{prefix}/pass@{k}/{key}_ci95` (`groups`: grpo.Group records, each prompt's n
+    `{prefix}/pass@{k}/{key}` and `{prefix}/pass@{k}/{key}_ci95` (`groups`: rewards.Group records, each prompt's n
     samples scored). mean@n is `{prefix}/reward_{key}` (score_metrics).
 
     Two prompts of 4 samples with 1 and 3 passing: pass@2 = (0.5 + 1.0) / 2 = 0.75; the values' standard deviation
