@@ -53,7 +53,7 @@ def quantiles_over_ranks(values: torch.Tensor, valid: torch.Tensor, qs: list[flo
     pooled, weights = sketches[:, :-1].flatten(), sketches[:, -1:].expand(-1, points).flatten()
     order = pooled.argsort()
     cumulative = weights[order].cumsum(0) / weights.sum().clamp(min=1)
-    picks = torch.searchsorted(cumulative, torch.tensor(qs, dtype=torch.float64, device=values.device))
+    picks = torch.stack([torch.searchsorted(cumulative, q) for q in qs])  # a scalar each: no list copied to the GPU
     return pooled[order][picks.clamp(max=len(pooled) - 1)].to(values.dtype)
 
 
