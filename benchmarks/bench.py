@@ -315,16 +315,21 @@ def run_part(part: str, args, torchrun: bool, nproc: int = 1) -> dict:
     return json.loads(out.read_text())
 
 
-def job_steps(args, preset: str, flags: tuple = ()) -> list[dict]:
-    """The metrics of steps 2 to --steps of `torchrun --nproc_per_node 2 grpo.py PRESET FLAGS` (the first step includes
-    vLLM's one-off warm-up); no validation, no final save."""
+def job_metrics(args, preset: str, flags: tuple = ()) -> list[dict]:
+    """Every line of metrics.jsonl of `torchrun --nproc_per_node 2 grpo.py PRESET FLAGS` in a temporary run folder,
+    no final save."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        "29534", "grpo.py", preset, *flags, "--trainer.total-steps", str(args.steps),
-                        "--trainer.output-dir", tmp, "--trainer.experiment-name", "bench", "--trainer.val-freq", "0",
-                        "--trainer.no-val-before-train", "--trainer.no-save-final"],
-                       check=True, cwd=ROOT, capture_output=not args.verbose)
-        return [json.loads(line) for line in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()][1:]
+                        "29534", "grpo.py", preset, *flags, "--trainer.output-dir", tmp, "--trainer.experiment-name",
+                        "bench", "--trainer.no-save-final"], check=True, cwd=ROOT, capture_output=not args.verbose)
+        return [json.loads(line) for line in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()]
+
+
+def job_steps(args, preset: str, flags: tuple = ()) -> list[dict]:
+    """The metrics of steps 2 to --steps of the job (the first step includes vLLM's one-off warm-up); no
+    validation."""
+    return job_metrics(args, preset, (*flags, "--trainer.total-steps", str(args.steps), "--trainer.val-freq", "0",
+                                      "--trainer.no-val-before-train"))[1:]
 
 
 def step_breakdown(args, engine: str) -> dict:
@@ -618,15 +623,8 @@ def correction_curves(args) -> None:
             ("a step behind, sequence_mask (C 3)", stale + ("--algorithm.rollout-correction", "sequence_mask")),
             ("a step behind, token_truncate (C 2)", stale + ("--algorithm.rollout-correction", "token_truncate",
                                                              "--algorithm.correction-high", "2"))]
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, flags) in enumerate(runs):
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                            "29535", "grpo.py", *flags, "--trainer.output-dir", tmp, "--trainer.experiment-name",
-                            str(i), "--trainer.no-save-final", "--trainer.save-freq", "0"],
-                           check=True, cwd=ROOT, capture_output=not args.verbose)
-            lines = [json.loads(line) for line in (Path(tmp) / str(i) / "metrics.jsonl").read_text().splitlines()]
-            results[name] = [m for m in lines if m["step"] > 0]
+    results = {name: [m for m in job_metrics(args, "toy", (*flags, "--trainer.save-freq", "0")) if m["step"] > 0]
+               for name, flags in runs}
     print("\nThe default job (120 steps) with its engine in sync or a step behind:\n\n| engine, correction | "
           "train reward, step 1 -> mean of the last 5 | first step its 5-step mean >= 0.8 | final validation | "
           "gap (mean) | KL(engine, trainer) | sequences masked |\n|---|---|---|---|---|---|---|")
