@@ -24,8 +24,12 @@ Where the rows come from (`name[@split]`, split `train` unless given):
     toy                      the built-in task "most common digit" (toy_rows): splits train and test
     toy_vision               the built-in visual task "which colour fills the picture" (toy_vision_rows)
     toy_motion               the built-in video task "which way does the bar move" (toy_motion_rows)
-    toy_tools                the built-in tool task "look it up" (toy_tool_rows; with --rollout.tools toy)
+    toy_tools                the built-in tool task "look it up" (toy_tool_rows; with --tools.functions toy)
+    toy_env                  the built-in environment task "open the vault" (toy_env_rows; with --rollout.env toy)
+    seeds                    an empty prompt and a seed a row, for environments that make their own task (seed_rows)
     toy_code                 the built-in code task, programs run against tests (toy_code_rows; --reward.function code)
+    reasoning_gym:leg_counting  a task of the reasoning-gym package, generated (reasoning_gym_rows; --reward.function
+                             reasoning_gym): splits train and test
     data/math12k.parquet     one parquet, json, jsonl or csv file: the file is the split (no @split)
     data/math12k@test        a folder of such files, split by file name (train.jsonl, test-0000.parquet)
     hiyouga/math12k@test     a Hugging Face Hub dataset id (needs the network or a filled HF cache)
@@ -57,6 +61,8 @@ Design decisions:
 """
 
 import codecs
+import difflib
+import functools
 import io
 import json
 import math
@@ -81,13 +87,14 @@ from PIL import Image
 from vision import Video, image_tokens, video_metadata, video_tokens
 
 FILE_TYPES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+OPEN_TURN = "\ue002"  # marks where the user's text ends in a rendering, to leave the turn open there (open_turn)
 TEMPLATES = Path(__file__).parent / "templates"
 
 
 @dataclass
 class DataConfig:
     train_files: str = "toy"
-    """Training data `name[@split]`: `toy` (built-in task),
+    """Training data `name[@split]`: `toy` (built-in task), `reasoning_gym:NAME` (a reasoning-gym task),
     a parquet/json/jsonl/csv file, a folder of them, or a hub id; split `train` unless given."""
     val_files: str = "auto"
     """Validation data, same format (e.g. `data/math12k@test`);
@@ -214,6 +221,34 @@ def toy_tool_rows(split: str) -> list[dict]:
             for _ in range(1024 if split == "train" else 50)]
 
 
+def toy_env_rows(split: str) -> list[dict]:
+    """The built-in environment task "open the vault" (env.ToyVault): the prompt is a made-up four-letter word, the
+    answer a digit, the vault's code; `clue` is what the vault says to the model's first turn, 7 digits of which 4 are
+    the code (the default job's task, told by the environment). train: 1024 rows, test: 50, seeded.
+
+    >>> toy_env_rows("test")[0]
+    {'problem': 'eszy', 'answer': '2', 'clue': '2221512'}
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"the toy_env dataset has the splits 'train' and 'test', not {split!r}")
+    words = [row["problem"] for row in toy_tool_rows(split)]
+    return [{"problem": word, "answer": row["answer"], "clue": row["problem"]}
+            for word, row in zip(words, toy_rows(split))]
+
+
+def seed_rows(split: str) -> list[dict]:
+    """Rows for an environment that makes its own task from a seed (a TextArena game: env.TextArenaGame): an empty
+    prompt (reset's answer is the task) and a seed. train: seeds 0 to 1023; test: 50 others.
+
+    >>> seed_rows("test")[0]
+    {'problem': '', 'answer': '', 'seed': 1000000}
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"the seeds dataset has the splits 'train' and 'test', not {split!r}")
+    first, count = (0, 1024) if split == "train" else (1_000_000, 50)
+    return [{"problem": "", "answer": "", "seed": seed} for seed in range(first, first + count)]
+
+
 CODE_TASKS = [  # (task, the answer to an input), inputs drawn by toy_code_rows
     ("Read two integers on one line and print their sum.", lambda a, b: f"{a + b}"),
     ("Read two integers on one line and print their product.", lambda a, b: f"{a * b}"),
@@ -247,7 +282,78 @@ def toy_code_rows(split: str) -> list[dict]:
 
 
 BUILTIN_ROWS = {"toy": toy_rows, "toy_vision": toy_vision_rows, "toy_motion": toy_motion_rows,
-                "toy_tools": toy_tool_rows, "toy_code": toy_code_rows}
+                "toy_tools": toy_tool_rows, "toy_env": toy_env_rows, "seeds": seed_rows, "toy_code": toy_code_rows}
+
+
+# ---------------------------------------------------------------- rows: reasoning-gym's generated tasks
+
+REASONING_GYM = "reasoning_gym:"
+# (seed, rows) of each split. Nearly every task draws its row i from Random(seed + i): the test split's seeds start
+# far past the train split's last (a test seed of 1 would make the test rows train rows 1 to 128)
+REASONING_GYM_SPLITS = {"train": (0, 2048), "test": (1_000_000, 128)}
+
+
+@functools.lru_cache(maxsize=8)
+def reasoning_gym_task(name: str, seed: int, size: int):
+    """reasoning-gym's task `name` at its default settings, `size` rows from `seed` (a reasoning_gym
+    ProceduralDataset: item i is row i, generated when asked). reasoning_gym is imported here, only when a run asks
+    for a task: its import takes a second or more. Kept: the reward scores with the same object (reasoning_gym_entry).
+    """
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError(f"dataset {REASONING_GYM}{name} needs reasoning-gym: pip install reasoning-gym") from None
+    from reasoning_gym.factory import DATASETS
+
+    if name not in DATASETS:
+        close = difflib.get_close_matches(name, DATASETS, n=5)
+        raise ValueError(f"--data.train-files (or --data.val-files) {REASONING_GYM}{name}: reasoning-gym has no task "
+                         f"{name!r}" + (f"; close names: {', '.join(close)}" if close else "") +
+                         f"; all {len(DATASETS)}: python -c 'import reasoning_gym.factory as f; "
+                         "print(*sorted(f.DATASETS))'")
+    try:
+        return reasoning_gym.create_dataset(name, seed=seed, size=size)
+    except Exception as error:  # composite: a mix of tasks, which needs a config of its own
+        raise ValueError(f"dataset {REASONING_GYM}{name}: reasoning-gym cannot make {name!r} at its default settings "
+                         f"({type(error).__name__}: {error}); choose another task") from error
+
+
+def reasoning_gym_rows(name: str, split: str) -> list[dict]:
+    """The rows of a reasoning-gym task (`reasoning_gym:NAME[@split]`, e.g. reasoning_gym:leg_counting), generated at
+    the task's default settings: train 2,048 rows from seed 0, test 128 from seed 1,000,000 (REASONING_GYM_SPLITS).
+    Each row: the question, the answer (None for a task with many right answers, which its verifier checks), and
+    where the row comes from, from which the reward regenerates the entry its verifier reads (reasoning_gym_entry).
+
+    Generated on every rank at start-up, so the sizes are those most tasks make in well under a second: leg_counting
+    makes its 2,048 in 0.03 s, basic_arithmetic in 0.06, spell_backward in 0.08, knights_knaves in 1.1, and 85 of
+    reasoning-gym 0.1.25's 105 tasks in under 2 s; those that search for their puzzles take minutes (countdown 44 s,
+    zebra_puzzles 160, knight_swap 15 minutes). Six tasks draw from sets (of letters, of words), whose order Python's
+    string hashing sets anew in every process: their rows differ between ranks and launches unless PYTHONHASHSEED is
+    set (the README's Data section names them).
+
+    >>> row = reasoning_gym_rows("leg_counting", "test")[0]; row["answer"], row["reasoning_gym"]
+    ('134', {'dataset': 'leg_counting', 'seed': 1000000, 'size': 128, 'index': 0})
+    """
+    if split not in REASONING_GYM_SPLITS:
+        raise ValueError(f"the reasoning-gym dataset {REASONING_GYM}{name} has the splits 'train' and 'test', not "
+                         f"{split!r}")
+    seed, size = REASONING_GYM_SPLITS[split]
+    task, rows = reasoning_gym_task(name, seed, size), []
+    for index in range(size):
+        entry = task[index]
+        rows.append({"problem": entry["question"], "answer": entry["answer"],
+                     "reasoning_gym": {"dataset": name, "seed": seed, "size": size, "index": index}})
+    return rows
+
+
+@functools.lru_cache(maxsize=1024)
+def reasoning_gym_entry(dataset: str, seed: int, size: int, index: int) -> dict:
+    """The entry a reasoning-gym row was made from, {"question", "answer", "metadata"}, generated again from the row's
+    `reasoning_gym` column: its metadata (tuples, ints, Fractions, numpy values) would not survive a dataset's
+    columns, and a task makes row i again the same in the process that made it (reasoning-gym's own trainer scores
+    so; list_functions does not always, which the reward finds and refuses). Cached: the n responses to a prompt
+    regenerate its entry once."""
+    return reasoning_gym_task(dataset, seed, size)[index]
 
 
 def validation_files(train_files: str, val_files: str) -> tuple[str, str]:
@@ -263,7 +369,7 @@ def validation_files(train_files: str, val_files: str) -> tuple[str, str]:
         return val_files, f"validation: {val_files}" if val_files else "no validation (--data.val-files is empty)"
     name, split = parse_spec(train_files)
     path = Path(name).expanduser()
-    if name in BUILTIN_ROWS:
+    if name in BUILTIN_ROWS or name.startswith(REASONING_GYM):
         splits = ["train", "test"]
     elif path.is_file():
         return "", (f"no validation: {train_files} is a single file, which has no test split (--data.val-files to "
@@ -374,11 +480,14 @@ def check_json_lines(path: Path) -> None:
 
 
 def load_rows(spec: str) -> datasets.Dataset:
-    """The rows of `name[@split]`: the toy task, a local file or folder, or a hub dataset (module docstring)."""
+    """The rows of `name[@split]`: a built-in task, a reasoning-gym task, a local file or folder, or a hub dataset
+    (module docstring)."""
     name, split = parse_spec(spec)
     path = Path(name).expanduser()
     if name in BUILTIN_ROWS:
         return datasets.Dataset.from_list(BUILTIN_ROWS[name](split or "train"))
+    if name.startswith(REASONING_GYM):
+        return datasets.Dataset.from_list(reasoning_gym_rows(name.removeprefix(REASONING_GYM), split or "train"))
     if path.is_file():
         if split is not None:
             raise ValueError(f"dataset {spec!r}: a single file has no splits, the file is the split; "
@@ -440,15 +549,18 @@ class PromptItem(TypedDict):
 class PromptDataset:
     """The prompts of one dataset, ready for the rollout: item i is a PromptItem. `processor`: the model's
     (vision-language models), which renders prompts with images and videos and says how many tokens each costs;
-    `tools`: the JSON schemas of the tools offered, which the chat template lists in the prompt (tools.py)."""
+    `tools`: the JSON schemas of the tools offered, which the chat template lists in the prompt (tools.py);
+    `open_turn`: each prompt ends with the user's text, the rest of the turn left to the episode (an environment
+    class's reset ends it: env.py)."""
 
     def __init__(self, rows: datasets.Dataset, cfg: DataConfig, tokenizer, name: str, processor=None,
-                 tools: list[dict] | None = None):
+                 tools: list[dict] | None = None, open_turn: bool = False):
         for key, flag in ((cfg.prompt_key, "--data.prompt-key"), (cfg.answer_key, "--data.answer-key")):
             if key not in rows.column_names:
                 raise ValueError(f"dataset {name!r} has no column {key!r} (its columns: {rows.column_names}); "
                                  f"set {flag} to the right one")
         self.cfg, self.tokenizer, self.name, self.processor, self.tools = cfg, tokenizer, name, processor, tools
+        self.open_turn = open_turn
         self.template = load_template(cfg.format_prompt)
         self.has_images = cfg.image_key in rows.column_names
         self.has_videos = cfg.video_key in rows.column_names
@@ -516,7 +628,8 @@ class PromptDataset:
                              f"{error}") from None
 
     def prompt(self, text, index: int, num_images: int = 0, num_videos: int = 0) -> str:
-        """Row `index`'s prompt text -> format template -> chat template (one user turn + generation prompt).
+        """Row `index`'s prompt text -> format template -> chat template (one user turn + generation prompt; with
+        `open_turn`, the rendering up to the end of the user's text).
 
         In an image (video) dataset, each `<image>` (`<video>`) of the text becomes an image (video) part of the
         message, which the chat template renders as `<|vision_start|><|image_pad|><|vision_end|>` (`<|video_pad|>`).
@@ -542,9 +655,13 @@ class PromptDataset:
         if marks:  # text, image, text, video, ..., text
             content = [{"type": part[1:-1]} if part in marks else {"type": "text", "text": part}
                        for part in re.split("(" + "|".join(marks) + ")", content) if part]
+        if self.open_turn:
+            content = (content + OPEN_TURN if isinstance(content, str)
+                       else [*content, {"type": "text", "text": OPEN_TURN}])
         messages = [{"role": "user", "content": content}]
         renderer = self.processor if self.processor is not None else self.tokenizer
-        return renderer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True, tokenize=False)
+        text = renderer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True, tokenize=False)
+        return text[:text.index(OPEN_TURN)] if self.open_turn else text
 
     def prompt_ids(self, prompt: str) -> list[int]:
         # the chat template already wrote the special tokens, so the tokenizer must not add a BOS again
@@ -736,13 +853,14 @@ def read_video(value, cfg: DataConfig, where: str) -> Video:
 # ---------------------------------------------------------------- batches: every rank its share
 
 
-def load_datasets(cfg: DataConfig, tokenizer, processor, say,
-                  tools: list[dict] | None = None) -> tuple[PromptDataset, PromptDataset | None]:
+def load_datasets(cfg: DataConfig, tokenizer, processor, say, tools: list[dict] | None = None,
+                  open_turn: bool = False) -> tuple[PromptDataset, PromptDataset | None]:
     """The training prompts and the validation prompts (None without validation files); `tools`: the JSON schemas
-    of the tools the prompts offer the model (tools.py)."""
-    train_set = PromptDataset(load_rows(cfg.train_files), cfg, tokenizer, cfg.train_files, processor, tools)
+    of the tools the prompts offer the model (tools.py); `open_turn`: PromptDataset's."""
+    train_set = PromptDataset(load_rows(cfg.train_files), cfg, tokenizer, cfg.train_files, processor, tools, open_turn)
     val_files, val_note = validation_files(cfg.train_files, cfg.val_files)  # never another dataset by default
-    val_set = PromptDataset(load_rows(val_files), cfg, tokenizer, val_files, processor, tools) if val_files else None
+    val_set = (PromptDataset(load_rows(val_files), cfg, tokenizer, val_files, processor, tools, open_turn)
+               if val_files else None)
     say(f"data: {len(train_set)} training prompts ({train_set.num_filtered} longer than {cfg.max_prompt_length} "
         f"tokens dropped), {len(val_set) if val_set else 0} validation prompts; " + val_note)
     return train_set, val_set

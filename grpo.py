@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
+from env import EpisodeRollout, check_environment, environment_class, episode_metrics, episodes_of
 from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source, check_output_folder,
                         init_distributed, load_actor_and_reference, load_reward_model, save_hf_model)
 from logprobs import Batch, batch_of, batched_logprobs, micro_batches, response_logprobs
@@ -60,7 +61,7 @@ from plumbing.trackers import Trackers, check_loggers, write_evaluation
 from rewards import Group, PendingScores, RewardConfig, RewardError, RewardFunction, Scoring
 from rollout import RolloutConfig, start_engine, vllm_environment
 from sequence_parallel import NO_SP, SequenceParallel
-from tools import ToolRollout, episode_metrics, load_tools, tool_schema
+from tools import ToolConfig
 from vision import is_vision_language
 
 
@@ -225,6 +226,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tools: ToolConfig = field(default_factory=ToolConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -805,9 +807,11 @@ def main(cfg: Config) -> None:
     # a vision-language model's processor renders prompts with images and knows what an image costs in tokens
     vision_language = is_vision_language(AutoConfig.from_pretrained(model_path))
     processor = AutoProcessor.from_pretrained(model_path) if vision_language else None
-    tools = load_tools(cfg.rollout.tools) if cfg.rollout.tools else {}  # multi-turn episodes with tool calls
+    episodes = episodes_of(cfg.rollout, cfg.tools, processor)  # multi-turn episodes against an environment
     train_set, val_set = load_datasets(cfg.data, tokenizer, processor, console.print,
-                                       [tool_schema(fn) for fn in tools.values()] or None)
+                                       episodes.schemas if episodes else None, bool(episodes and episodes.opens_prompt))
+    if cfg.rollout.env:  # its reset's arguments among the dataset's columns, its instances made with no arguments
+        check_environment(environment_class(cfg.rollout.env), train_set.rows.column_names, cfg.rollout.env)
     console.print(attention_line(device))
     loader = PromptLoader(train_set, cfg.trainer.rollout_batch_size, rank, world, cfg.data.seed, cfg.data.shuffle)
     val_items = shard(val_set, rank, world) if val_set else []
@@ -841,8 +845,9 @@ def main(cfg: Config) -> None:
                                    offload=cfg.actor.offload_while_generating)
     rollout = start_engine(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                            actor, training_state, first_step - 1 if start is not None else None)
-    if tools:  # the engine, playing whole episodes
-        rollout = ToolRollout(rollout, cfg.rollout, tools, tokenizer, processor, device)
+    if episodes:  # the engine, playing whole episodes
+        rollout = EpisodeRollout(rollout, cfg.rollout, episodes.environment, tokenizer, processor, device,
+                                 episodes.opens_prompt, episodes.schemas)
     if cfg.trainer.val_only:  # the loaded weights evaluated: every sample and the metrics to run_dir/eval/
         metrics, samples = validate(rollout, val_items, first_step - 1, scoring)
         write_evaluation(run_dir, first_step - 1, to_floats(metrics), samples, console.print, data=val_set.name,
@@ -931,7 +936,7 @@ def main(cfg: Config) -> None:
 
             # ---- validate, log, save -----------------------------------------------------------------
             metrics.update(score_metrics("train", groups, device))
-            if tools:
+            if episodes:
                 metrics.update(episode_metrics([r for g in groups for r in g.responses], device))
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
             samples = []

@@ -1,8 +1,8 @@
 """Rewards: turn decoded responses into scores, `{"overall": float, <sub-score>: float, ...}` per sample.
 
 Design decisions:
-- A reward is a plain function, either a built-in below (toy, math, r1v, toy_tools, code, judge, none) or a
-  user's `path/to/file.py:function`. Per-sample kind: fn(RewardInput, **kwargs) -> dict; batch kind
+- A reward is a plain function, either a built-in below (toy, math, r1v, toy_tools, code, reasoning_gym, judge,
+  env, none) or a user's `path/to/file.py:function`. Per-sample kind: fn(RewardInput, **kwargs) -> dict; batch kind
   (`--reward.batch`, e.g. for a reward model): fn(list[RewardInput], **kwargs) -> list[dict].
 - The input carries everything users ask for: response, its token length, ground truth, the prompt,
   the whole dataset row and its images.
@@ -44,6 +44,7 @@ import tyro
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
+from data import reasoning_gym_entry, reasoning_gym_task
 from logprobs import batch_of, batched_scores
 from plumbing.sandbox import Limits, protections, run_code
 
@@ -51,7 +52,8 @@ from plumbing.sandbox import Limits, protections, run_code
 @dataclass
 class RewardConfig:
     function: str = "toy"
-    """Reward function: a built-in name (toy, math, r1v, toy_tools, code, judge), `path/to/file.py:function_name`,
+    """Reward function: a built-in name (toy, math, r1v, toy_tools, code, reasoning_gym: a reasoning-gym task's own
+    verifier, judge, env: the score the episode's environment keeps), `path/to/file.py:function_name`,
     or none (every sample 0: the reward model's score alone)."""
     kwargs: Annotated[dict[str, bool | int | float | str], tyro.conf.arg(metavar="[KEY VALUE ...]",
                       help_behavior_hint="(default: none)")] = field(default_factory=dict)
@@ -106,7 +108,9 @@ class RewardInput(TypedDict):
     row: dict  # the whole dataset row, all columns
     images: list  # PIL images of the row; empty for text
     videos: list  # the row's videos (vision.Video: frames [T, H, W, 3] uint8, fps, indices); empty for text
-    messages: list[dict]  # the turns after the prompt: one assistant turn, or a tool episode's (tools.Episode)
+    messages: list[dict]  # the turns after the prompt: one assistant turn, or a multi-turn episode's (env.Episode)
+    episode: Any  # a multi-turn episode's record (env.Episode: turns, calls, errors, stop reason); None for one turn
+    env: Any  # the episode's environment object (--rollout.env, one per episode), which may keep the score; or None
 
 
 class RewardError(Exception):
@@ -171,6 +175,28 @@ def toy_tools_reward(inp: RewardInput) -> dict[str, float]:
     return {"overall": 0.2 * called + 0.8 * accuracy, "called": called, "accuracy": accuracy}
 
 
+def env_reward(inp: RewardInput) -> dict[str, float]:
+    """`--reward.function env`: the score the episode's environment kept, its `get_reward()` if it has one, else its
+    `reward` attribute (TRL's environments keep it so); an episode whose environment failed (an error counted in
+    its record) scores 0 if it kept none. The environment that keeps no score at all is the run's error, named.
+
+    an environment whose respond set self.reward = 0.75 -> {"overall": 0.75}
+    """
+    env = inp["env"]
+    if env is None:
+        raise RewardError("--reward.function env reads the episode's environment, and this sample has none: set "
+                          "--rollout.env")
+    getter = getattr(env, "get_reward", None)
+    value = getter() if callable(getter) else getattr(env, "reward", None)
+    if value is None and inp["episode"].errors:
+        value = 0.0
+    if value is None:
+        raise RewardError(f"--reward.function env: the environment {type(env).__name__} keeps no score (neither "
+                          "get_reward() nor a `reward` attribute): give it one, or score the episode with another "
+                          "--reward.function")
+    return {"overall": float(value)}
+
+
 def no_reward(inp: RewardInput) -> dict[str, float]:
     """`--reward.function none`: every sample 0, so that the reward model's score is the whole reward."""
     return {"overall": 0.0}
@@ -229,6 +255,71 @@ def _check_sandbox(allow_weaker_sandbox: bool = False, **limits) -> None:
 
 
 code_reward.check = _check_sandbox
+
+
+# ---------------------------------------------------------------------------------------------------
+# A reasoning-gym task's own verifier (rows of --data.train-files reasoning_gym:NAME, data.py)
+# ---------------------------------------------------------------------------------------------------
+
+def reasoning_gym_reward(inp: RewardInput, format_weight: float = 0.0) -> dict[str, float]:
+    """reasoning-gym's reward: the answer in the response's last <answer>...</answer> (reasoning_gym.utils's
+    extract_answer, as reasoning-gym's own trainer reads it), scored by the row's task with its own verifier (its
+    score_answer) against the entry the row was made from (data.reasoning_gym_entry, metadata and all): 1 right, 0
+    wrong, between for the partial credit some tasks give. A response without the tags is handed to the verifier as
+    no answer (None), as reasoning-gym's trainer does: 0 for nearly every task (countdown, fraction_simplification
+    and puzzle24 give 0.01).
+
+    accuracy: that score; tagged: the response has the tags; format: reasoning-gym's format reward, one
+    <think>...</think> then one <answer>...</answer> and nothing nested; overall = accuracy + format_weight x format
+    (added, as reasoning-gym's runs do, with 0.2).
+    leg_counting, answer "500": "<think>add</think><answer>500</answer>" -> accuracy 1, format 1, overall 1.0 (1.2
+    with format_weight 0.2); "<answer>500 legs</answer>" -> accuracy 0.375 (3/8: the answer inside a longer one),
+    format 0; "500" -> 0.0, tagged 0.
+    """
+    from reasoning_gym.utils import extract_answer
+
+    row = inp["row"]
+    source = row.get("reasoning_gym")
+    if not isinstance(source, Mapping):
+        raise RewardError(f"--reward.function reasoning_gym scores rows of --data.train-files reasoning_gym:NAME, and "
+                          f"this row has no 'reasoning_gym' column (its columns: {sorted(row)})")
+    missing = sorted({"dataset", "seed", "size", "index"} - set(source))
+    if missing:
+        raise RewardError(f"--reward.function reasoning_gym: the row's 'reasoning_gym' column {dict(source)} lacks "
+                          f"{missing}, from which the task's entry is generated again")
+    entry = reasoning_gym_entry(source["dataset"], source["seed"], source["size"], source["index"])
+    if entry["question"] != row.get("problem"):
+        raise RewardError(f"reasoning-gym task {source['dataset']!r} makes row {source['index']} (seed "
+                          f"{source['seed']}, size {source['size']}) again as another question than the row's "
+                          "'problem', so the answer cannot be checked: its generator is not deterministic "
+                          "(reasoning-gym 0.1.25's list_functions draws from Python's global random; choose another "
+                          "task), or the row was made in another process (set PYTHONHASHSEED: README, Data)")
+    answer = extract_answer(inp["response"])
+    accuracy = float(reasoning_gym_task(source["dataset"], source["seed"], source["size"]).score_answer(answer, entry))
+    format_ok = _think_then_answer(inp["response"])
+    return {"overall": accuracy + format_weight * format_ok, "accuracy": accuracy, "format": format_ok,
+            "tagged": float(answer is not None)}
+
+
+def _think_then_answer(response: str) -> float:
+    """reasoning-gym's format reward: 1.0 for one <think>...</think> then one <answer>...</answer> (after optional
+    spaces; anything may follow), neither inside the other; else 0.0."""
+    thoughts = re.findall(r"<think>(.*?)</think>", response, re.DOTALL)
+    answers = re.findall(r"<answer>(.*?)</answer>", response, re.DOTALL)
+    nested = any(tag in part for part in thoughts + answers for tag in ("<think>", "<answer>"))
+    laid_out = re.match(r"\s*<think>.*?</think>\s*<answer>.*?</answer>", response, re.DOTALL) is not None
+    return float(laid_out and len(thoughts) == len(answers) == 1 and not nested)
+
+
+def _check_reasoning_gym(format_weight: float = 0.0) -> None:
+    """At start-up: reasoning-gym, whose verifiers score the answers, is installed."""
+    try:
+        import reasoning_gym.utils  # noqa: F401 - imported here only: its import takes a second or more
+    except ImportError:
+        raise RewardError("--reward.function reasoning_gym needs reasoning-gym: pip install reasoning-gym") from None
+
+
+reasoning_gym_reward.check = _check_reasoning_gym
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -391,7 +482,9 @@ def _load_template(path: str, flag: str) -> jinja2.Template:
 
 
 BUILTINS: dict[str, Callable] = {"toy": toy_reward, "math": math_reward, "r1v": r1v_reward,
-                                  "toy_tools": toy_tools_reward, "code": code_reward, "judge": Judge, "none": no_reward}
+                                  "toy_tools": toy_tools_reward, "code": code_reward,
+                                  "reasoning_gym": reasoning_gym_reward, "judge": Judge, "env": env_reward,
+                                  "none": no_reward}
 
 
 def combine(scores: list[dict[str, float]], weights: dict[str, float]) -> list[dict[str, float]]:
@@ -410,7 +503,8 @@ def combine(scores: list[dict[str, float]], weights: dict[str, float]) -> list[d
 
 def reward_inputs(tokenizer, items: list, responses: list[list]) -> list[RewardInput]:
     """What the reward function gets for each response of each prompt (dataset items, rollout.Response lists). A
-    multi-turn episode's reward reads its turns (`messages`) and, as `response`, its last generated turn's text."""
+    multi-turn episode's reward reads its turns (`messages`), its record and its environment, and, as `response`, its
+    last generated turn's text (without the tool calls it made)."""
     inputs = []
     for item, group in zip(items, responses):
         for r in group:
@@ -419,7 +513,8 @@ def reward_inputs(tokenizer, items: list, responses: list[list]) -> list[RewardI
             last = next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
             inputs.append(RewardInput(response=last, response_length=len(r.token_ids),
                                       ground_truth=item["ground_truth"], prompt=item["prompt"], row=item["row"],
-                                      images=item["images"], videos=item["videos"], messages=messages))
+                                      images=item["images"], videos=item["videos"], messages=messages,
+                                      episode=r.episode, env=r.episode.environment if r.episode else None))
     return inputs
 
 _GRADING_TIMEOUT_S = 5  # per parse / per comparison; math_verify's alarm takes whole seconds

@@ -87,21 +87,21 @@ class RolloutConfig:
     """vllm: 1 samples each step with the weights of the step before (an asynchronous trainer's engine, one step
     behind: what the rollout correction is for). A study setting: the engine takes the weights the update starts
     from and stays awake through it (no memory is freed for the update), and validation samples a step behind too."""
-    tools: str = ""
-    """Multi-turn episodes with tool calls (tools.py): a Python file or module whose public functions are the tools,
-    or a built-in set (toy, calculator); empty: one turn, no tools."""
-    tool_parser: str = "qwen"
-    """How a turn's text calls tools: qwen (`<tool_call>` JSON), toy (a turn not led by a digit calls lookup), or
-    path/to/file.py:function."""
+    env: str = ""
+    """Multi-turn episodes against an environment (env.py): a class, `path/to/file.py:Class` or `module:Class`, one
+    instance per episode; a built-in (toy); or `textarena:GAME`. Empty: one turn (or, with --tools.functions, turns
+    of tool calls)."""
     max_turns: int = 4
-    """With --rollout.tools: generated turns per episode at most (a call in the last one is not run)."""
+    """Episodes (--rollout.env, --tools.functions): generated turns per episode at most."""
     max_turn_tokens: int = 0
-    """With --rollout.tools: tokens one turn may generate at most (0: what is left of --rollout.max-response-length,
-    which bounds the whole episode, tool turns included)."""
-    tool_timeout: float = 5.0
-    """With --rollout.tools: seconds a tool call may run before the model is told it timed out (0: no limit)."""
-    max_tool_errors: int = 3
-    """With --rollout.tools: failed calls (raised, timed out, bad arguments or result) that end an episode (0: none)."""
+    """Episodes: tokens one turn may generate at most (0: what is left of --rollout.max-response-length, which bounds
+    the whole episode, the environment's turns included)."""
+    env_timeout: float = 30.0
+    """Episodes: seconds an environment's reset or respond may run before it counts as failed (0: no limit; tool calls
+    have --tools.timeout)."""
+    max_env_errors: int = 3
+    """Episodes: failed calls of the environment (raised, timed out, answered with no observation; a tool call that
+    failed) that end an episode (0: none)."""
 
 
 @dataclass
@@ -113,12 +113,12 @@ class Response:
     truncated: bool
     """True when the response hit max_response_length instead of ending with EOS."""
     mask: list[int] | None = None
-    """1 on the tokens the model generated, 0 on those it was given (a multi-turn episode's tool turns, tools.py);
-    None: all generated."""
+    """1 on the tokens the model generated, 0 on those it was given (what an environment said in a multi-turn
+    episode, env.py); None: all generated."""
     images: list = field(default_factory=list)
-    """Images inside the response (a tool's), in order: one `<|image_pad|>` each in token_ids."""
+    """Images inside the response (an environment's), in order: one `<|image_pad|>` each in token_ids."""
     episode: Any = None
-    """A multi-turn episode's record (tools.Episode: messages, turns, tool calls, stop reason); None for one turn."""
+    """A multi-turn episode's record (env.Episode: messages, turns, calls, stop reason); None for one turn."""
 
 
 def build_rollout(cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device, model):
@@ -333,7 +333,7 @@ class VLLMRollout:
         `version` is the trainer's current step: generating from older weights is a bug, so it raises.
         validation: the val_* sampling settings; greedy: one response at temperature 0 (ReMax's baseline).
         n: responses per prompt instead of the settings' own; max_tokens: each prompt's limit instead of
-        max_response_length (a multi-turn episode's next turn, tools.py). No prompts: nothing to do, but a
+        max_response_length (a multi-turn episode's next turn, env.py). No prompts: nothing to do, but a
         tensor-parallel rank still joins its engine's call.
         """
         from vllm import SamplingParams
@@ -461,7 +461,7 @@ class HFRollout:
     def generate(self, prompts: list[PromptItem], version: int, validation: bool = False, greedy: bool = False,
                  n: int | None = None, max_tokens: list[int] | None = None) -> list[list[Response]]:
         """Same contract as VLLMRollout.generate. Every call gathers the weights (a collective), so a rank with no
-        prompts still calls it when others do (tools.py keeps the ranks in step)."""
+        prompts still calls it when others do (env.py keeps the ranks in step)."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         check_version(self, version)

@@ -3,8 +3,8 @@ trainer's update against a bare FSDP2 loop, padding-free against padded, the log
 
     .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --n 8 --max-tokens 512
-    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video, rewards, sp
-                                                           # or correction
+    .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video, rewards, sp,
+                                                           # correction, curves or env
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -20,9 +20,10 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   ranks (plumbing/balance.py), seconds per update;
 - logits: peak memory of the log-probs' forward and backward with a 152k vocabulary, the full-logits
   computation of before against the chunked head (each in a fresh process).
-- tools (`--only tools`): the time in tools. A turn's calls, all at once (tools.run_calls) against one after
-  another, for calls that sleep 0.2 s (a tool waiting on I/O); the threads' own cost; and the built-in tool task's job
-  (`grpo.py toy_tools`): its mean time per phase and the seconds its episodes spent in the tool.
+- tools (`--only tools`): the time in tools. A turn's calls, all at once (plumbing/calls.run_at_once, as the tool
+  environment runs them) against one after another, for calls that sleep 0.2 s (a tool waiting on I/O); the threads'
+  own cost; and the built-in tool task's job (`grpo.py toy_tools`): its mean time per phase and the seconds its
+  episodes spent in the tool.
 - video (`--only video`): what a video costs before the model sees it. Reading a clip (PyAV's decode and the frames
   kept, data.read_video) and the probe that counts its tokens at start-up (data.probe_video), for a 10 s, 30 frames a
   second 640 x 360 H.264 clip; the processor's expansion of its frames for the trainer (vision.expand) at Qwen2.5-VL's
@@ -43,6 +44,8 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   positive control (`--only curves`, about 10 minutes): the whole default job in sync, and with an engine a step
   behind (--rollout.staleness 1) uncorrected, with sequence_mask and with token_truncate; a table and the figure
   docs/rollout_correction.png.
+- env (`--only env`, about 3 minutes): the built-in environment task's whole job (`grpo.py toy_env`): its climb, its
+  curves (docs/toy_env.png), the time per phase and the episodes' numbers.
 """
 
 import argparse
@@ -396,7 +399,8 @@ def trainer_tables(args) -> None:
 def tools_tables(args) -> None:
     import threading
 
-    from tools import ToolCall, call_tool, run_calls
+    from plumbing.calls import Call, run_at_once
+    from tools import ToolCall, call_tool
 
     def wait(seconds: float) -> str:
         """Wait, as a tool waiting on a server does.
@@ -407,22 +411,25 @@ def tools_tables(args) -> None:
         threading.Event().wait(seconds)
         return "done"
 
+    def at_once(call: ToolCall, count: int) -> None:
+        run_at_once([Call("wait", lambda: call_tool(tools, call, {}, []), 10) for _ in range(count)])
+
     tools, call = {"wait": wait}, ToolCall("wait", {"seconds": 0.2})
-    print("| calls of a tool that waits 0.2 s | all at once (run_calls) | one after another |\n|---|---|---|")
+    print("| calls of a tool that waits 0.2 s | all at once (run_at_once) | one after another |\n|---|---|---|")
     for count in (1, 16, 128):
         start = time.perf_counter()
-        run_calls(tools, [(call, {}, [])] * count, timeout=10)
+        at_once(call, count)
         together = time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(count):
             call_tool(tools, call, {}, [])
         print(f"| {count} | {together:.2f} s | {time.perf_counter() - start:.2f} s |")
     start = time.perf_counter()
-    run_calls({"wait": wait}, [(ToolCall("wait", {"seconds": 0.0}), {}, [])] * 256, timeout=10)
+    at_once(ToolCall("wait", {"seconds": 0.0}), 256)
     print(f"\nThe threads' own cost: 256 calls of a tool that returns at once, {time.perf_counter() - start:.3f} s.")
     lines = job_steps(args, "toy_tools")
-    keys = [k for k in lines[0] if k.startswith("timing/")] + ["episode/turns", "episode/tool_calls",
-                                                               "episode/tool_seconds"]
+    keys = [k for k in lines[0] if k.startswith("timing/")] + ["episode/turns", "episode/calls",
+                                                               "episode/env_seconds"]
     print(f"\nThe built-in tool task, mean over steps 2-{args.steps} (`torchrun --nproc_per_node 2 grpo.py toy_tools`, "
           "512 episodes a step; episode/*: per episode):\n\n| measure | value |\n|---|---|")
     for key in keys:
@@ -650,10 +657,38 @@ def correction_curves(args) -> None:
     Image.open(png).convert("RGB").quantize(64).save(ROOT / "docs" / "rollout_correction.png", optimize=True)
 
 
+def env_curves(args) -> None:
+    """The built-in environment task's whole job (`grpo.py toy_env`, 120 steps): its curves (docs/toy_env.png, drawn
+    by scripts/plot.py), the climb, the time per phase and the episodes."""
+    from scripts.plot import main as plot
+
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        "29534", "grpo.py", "toy_env", "--trainer.output-dir", tmp, "--trainer.save-freq", "0",
+                        "--trainer.no-save-final"], check=True, cwd=ROOT, capture_output=not args.verbose)
+        seconds = time.perf_counter() - start
+        lines = [json.loads(line) for line in (Path(tmp) / "toy_env" / "metrics.jsonl").read_text().splitlines()]
+        plot(Path(tmp) / "toy_env", ROOT / "docs" / "toy_env.png")
+    steps = [m for m in lines if m["step"] > 0]
+    rewards = [m["train/reward_overall"] for m in steps]
+    smooth = [sum(rewards[max(0, i - 4): i + 1]) / len(rewards[max(0, i - 4): i + 1]) for i in range(len(rewards))]
+    first = next((m["step"] for m, r in zip(steps, smooth) if r >= 0.8), "-")
+    validations = ", ".join(f"{m['val/reward_overall']:.2f} (step {m['step']})" for m in lines
+                            if "val/reward_overall" in m)
+    print(f"\nThe built-in environment task (`torchrun --nproc_per_node 2 grpo.py toy_env`, {len(steps)} steps, the "
+          f"whole command {seconds:.0f} s): train reward {rewards[0]:.3f} at step 1, {sum(rewards[-5:]) / 5:.3f} over "
+          f"the last 5; the 5-step mean first >= 0.8 at step {first}; validation {validations}.\n\n"
+          "| measure (mean over steps 2 on) | value |\n|---|---|")
+    keys = [k for k in steps[1] if k.startswith(("timing/", "episode/"))]
+    for key in keys:
+        print(f"| {key} | {sum(m[key] for m in steps[1:]) / len(steps[1:]):.4g} |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video", "rewards", "sp", "correction",
-                                           "curves"],
+                                           "curves", "env"],
                         help="one part of the benchmark")
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
@@ -694,6 +729,8 @@ def main():
         correction_tables(args)
     if args.only in (None, "curves"):
         correction_curves(args)
+    if args.only in (None, "env"):
+        env_curves(args)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def default_run_name(model_path: str, data_path: str) -> str:
     """A run's name without a preset: `<model>_<data>` (tiny-qwen2_toy, Qwen2.5-7B-Instruct_math12k), the same for
     the same job, so that launching it again resumes it, and another for another model or dataset."""
     model = model_path.replace("tiny:", "tiny-").rstrip("/").rsplit("/", 1)[-1]
-    return f"{model}_{Path(data_path.rstrip('/')).stem}"
+    return f"{model}_{Path(data_path.rstrip('/')).stem.replace(':', '-')}"  # reasoning_gym:chain_sum: no colon
 
 
 def override(config, changes: dict, where: str):
@@ -98,8 +98,8 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, correction
               "trainer.save-limit": (t.save_limit, 0), "actor.lr": (a.lr, 0), "actor.warmup-steps": (a.warmup_steps, 0),
               "actor.micro-batch-size": (a.micro_batch_size, 1), "rollout.n": (n, 1), "rollout.val-n": (r.val_n, 1),
               "rollout.max-response-length": (r.max_response_length, 1), "rollout.max-turns": (r.max_turns, 1),
-              "rollout.max-turn-tokens": (r.max_turn_tokens, 0), "rollout.tool-timeout": (r.tool_timeout, 0),
-              "rollout.max-tool-errors": (r.max_tool_errors, 0),
+              "rollout.max-turn-tokens": (r.max_turn_tokens, 0), "rollout.env-timeout": (r.env_timeout, 0),
+              "rollout.max-env-errors": (r.max_env_errors, 0), "tools.timeout": (cfg.tools.timeout, 0),
               "rollout.val-temperature": (r.val_temperature, 0),
               "data.max-prompt-length": (cfg.data.max_prompt_length, 1), "data.max-frames": (cfg.data.max_frames, 2),
               "algorithm.kl-coef": (cfg.algorithm.kl_coef, 0)}

@@ -1,5 +1,5 @@
 """Tools and a tool-call parser that do what a tool or a model's turn can do wrong, for a run of the toy tool task
-(tests/test_tool_episodes.py: `--rollout.tools tests/hostile_tools.py --rollout.tool-parser
+(tests/test_episodes.py: `--tools.functions tests/hostile_tools.py --tools.parser
 tests/hostile_tools.py:parse`). Each turn, in turn, is one of TURNS: a tool that hangs (many calls at once), one
 that returns 20 MB of text, a 30000 x 2 image, sys.exit or KeyboardInterrupt, a degenerate turn (2,000 `[`, a
 5,000-digit number) read by Qwen's parser, a parser that raises. The run must go on, every one of them a failed
@@ -14,10 +14,10 @@ import threading
 
 from PIL import Image
 
-import tools
+from plumbing import calls
 from tools import ToolCall, parse_qwen
 
-tools.STRAY_CALLS = 8  # a hanging tool is refused after its first turn's calls: 2 episodes x HANGING per rank
+calls.STRAY_CALLS = 8  # a hanging tool is refused after its first turn's calls: 2 episodes x HANGING per rank
 HANGING = 6
 THREADS = 16  # at most 12 stray calls, and a few of the libraries'; without the bound: 12 more a turn
 BEFORE = threading.active_count()  # the tools file loads at start-up, before any tool call

@@ -3,6 +3,7 @@
 import io
 import json
 import re
+import sys
 
 import av
 import datasets
@@ -12,8 +13,8 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from conftest import stripes, write_video
-from data import (DataConfig, PromptDataset, PromptLoader, frame_indices, load_rows, resize_image, resized_size, shard,
-                  toy_motion_rows, toy_rows, validation_files)
+from data import (DataConfig, PromptDataset, PromptLoader, frame_indices, load_rows, reasoning_gym_task, resize_image,
+                  resized_size, shard, toy_motion_rows, toy_rows, validation_files)
 from plumbing.tiny import build_tiny_model, build_tokenizer
 
 MATH_SUFFIX = (" You first think about the reasoning process as an internal monologue and then provide the final"
@@ -178,6 +179,64 @@ def test_a_single_file_is_its_split(tmp_path):
     assert len(load_rows(str(path))) == 3
     with pytest.raises(ValueError, match="drop '@test'"):
         load_rows(f"{path}@test")
+
+
+# ---------------------------------------------------------------- reasoning-gym's generated tasks
+
+
+LEGS = {"grasshopper": 6, "jellyfish": 0, "tiger": 4, "scorpion": 8, "spider": 8, "wasp": 6, "praying mantis": 6,
+        "crab": 10, "woodlouse": 14}
+
+
+def test_a_reasoning_gym_task_is_two_splits_of_rows_the_task_generates_from_far_apart_seeds():
+    """reasoning_gym:leg_counting: 2,048 train rows from seed 0 and 128 test rows from seed 1,000,000, each the task's
+    own question and answer with where it comes from; no test question is a train question (with seed 1, all 128
+    would be: the task draws row i from Random(seed + i))."""
+    import reasoning_gym
+
+    train, test = load_rows("reasoning_gym:leg_counting"), load_rows("reasoning_gym:leg_counting@test")
+    assert (len(train), len(test)) == (2048, 128)
+    first = train[0]
+    assert first["answer"] == "500" and first["reasoning_gym"] == {"dataset": "leg_counting", "seed": 0, "size": 2048,
+                                                                   "index": 0}
+    animals = re.findall(r"(\d+) ([a-z ]+?)s?[,?]", first["problem"])  # "5 grasshoppers, 8 jellyfishs, ..."
+    assert len(animals) == 9 and sum(int(count) * LEGS[animal] for count, animal in animals) == 500  # 30 + 0 + ... + 42
+    made = reasoning_gym.create_dataset("leg_counting", seed=1_000_000, size=128)[127]
+    assert test[127] == {"problem": made["question"], "answer": made["answer"],
+                         "reasoning_gym": {"dataset": "leg_counting", "seed": 1_000_000, "size": 128, "index": 127}}
+    assert not set(test["problem"]) & set(train["problem"])
+    with pytest.raises(ValueError, match="has the splits 'train' and 'test', not 'validation'"):
+        load_rows("reasoning_gym:leg_counting@validation")
+
+
+def test_a_reasoning_gym_task_validates_on_its_test_split_rendered_like_any_prompt(tokenizer):
+    assert validation_files("reasoning_gym:leg_counting", "auto") == (
+        "reasoning_gym:leg_counting@test",
+        "validation: reasoning_gym:leg_counting@test, the test split of the training data")
+    dataset = PromptDataset(load_rows("reasoning_gym:leg_counting@test"), DataConfig(max_prompt_length=384), tokenizer,
+                            "reasoning_gym:leg_counting@test")
+    assert len(dataset) == 128 and dataset.num_filtered == 0  # questions of 159 to 271 characters, one token each
+    item = dataset[0]
+    assert item["prompt"] == chat(item["row"]["problem"]) and item["ground_truth"] == item["row"]["answer"] == "134"
+
+
+def test_an_unknown_reasoning_gym_task_names_the_flag_and_the_close_names():
+    with pytest.raises(ValueError) as error:
+        load_rows("reasoning_gym:leg_count")
+    assert str(error.value).startswith("--data.train-files (or --data.val-files) reasoning_gym:leg_count: "
+                                       "reasoning-gym has no task 'leg_count'; close names: leg_counting, ")
+    with pytest.raises(ValueError, match="close names: basic_arithmetic, .*; all 106: python -c"):
+        load_rows("reasoning_gym:arithmetic")
+    with pytest.raises(ValueError, match="cannot make 'composite' at its default settings .*; choose another task"):
+        load_rows("reasoning_gym:composite")  # a mix of tasks, which needs a config
+
+
+def test_a_reasoning_gym_task_without_the_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import fails as if not installed
+    reasoning_gym_task.cache_clear()  # a task made by an earlier test would not import it again
+    with pytest.raises(ValueError) as error:
+        load_rows("reasoning_gym:leg_counting")
+    assert str(error.value) == "dataset reasoning_gym:leg_counting needs reasoning-gym: pip install reasoning-gym"
 
 
 # ---------------------------------------------------------------- image datasets (a tiny Qwen2-VL's processor)

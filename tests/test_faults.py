@@ -557,6 +557,8 @@ def test_each_preset_has_its_own_run_folder_and_ad_hoc_runs_are_named_after_mode
     assert grpo.parse_config(["--actor.model-path", "Qwen/Qwen2.5-7B-Instruct", "--data.train-files",
                               "data/math12k.parquet"]).trainer.experiment_name == "Qwen2.5-7B-Instruct_math12k"
     assert grpo.parse_config(["dapo", "--trainer.experiment-name", "mine"]).trainer.experiment_name == "mine"
+    assert grpo.parse_config(["--data.train-files", "reasoning_gym:chain_sum"]).trainer.experiment_name == \
+        "tiny-qwen2_reasoning_gym-chain_sum"  # no colon in a folder's name
 
 
 def test_help_lists_presets_tiny_models_and_algorithms(capsys):

@@ -124,6 +124,29 @@ def test_skip_group_leaves_out_the_groups_of_failed_samples_and_draws_more(runs)
     assert any(m["rollout/sampling_rounds"] > 1 and m["rollout/kept_groups_ratio"] < 1 for m in metrics)
 
 
+@launched_run()
+def reasoning_gym_leg_counting(folder):
+    # the tiny model's tokenizer is one token a character: leg_counting's questions (159 to 271) all fit in 384
+    return two_steps(folder, "--data.train-files", "reasoning_gym:leg_counting", "--reward.function", "reasoning_gym",
+                     "--data.max-prompt-length", "384", "--rollout.max-response-length", "8", "--rollout.engine", "hf")
+
+
+@uses_runs("reasoning_gym_leg_counting")
+def test_a_reasoning_gym_task_runs_two_steps_scored_by_its_own_verifier(runs):
+    """`--data.train-files reasoning_gym:leg_counting --reward.function reasoning_gym`: the task's rows generated on
+    each rank, its test split as the validation data, 2 steps whose every sample the task's verifier scored (a
+    random model's 8 tokens hold no <answer> tags: all 0)."""
+    run = runs["reasoning_gym_leg_counting"]
+    assert ("data: 2048 training prompts (0 longer than 384 tokens dropped), 128 validation prompts; validation: "
+            "reasoning_gym:leg_counting@test, the test split of the training data") in run.output()
+    metrics = run.metrics("run")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert {key: m[f"train/reward_{key}"] for key in ("overall", "accuracy", "format", "tagged")} == dict.fromkeys(
+            ("overall", "accuracy", "format", "tagged"), 0.0)
+        assert 0 < m["train/response_length_mean"] <= 8
+
+
 @pytest.fixture(scope="module")
 def judge_server(tmp_path_factory):
     """`vllm serve` (its OpenAI-compatible server) of the tiny model, on a free port of 127.0.0.1."""

@@ -2,12 +2,15 @@
 loaded by path with kwargs, and every malformed result caught with a message naming the culprit."""
 
 import re
+import sys
 import threading
 
 import pytest
 import tyro
 
-from rewards import RewardConfig, RewardError, RewardFunction, math_reward, overlong_penalty, r1v_reward, toy_reward
+from data import reasoning_gym_rows
+from rewards import (RewardConfig, RewardError, RewardFunction, math_reward, overlong_penalty, r1v_reward,
+                     reasoning_gym_reward, toy_reward)
 
 
 def sample(response: str, ground_truth="7") -> dict:
@@ -96,6 +99,78 @@ def test_r1v(response, format_, accuracy, overall):
 def test_r1v_non_numeric_answer_compared_as_string():
     assert r1v_reward(sample("<think>look</think><answer>cat</answer>", "cat"))["accuracy"] == 1.0
     assert r1v_reward(sample("<think>look</think><answer>dog</answer>", "cat"))["accuracy"] == 0.0
+
+
+def task_sample(response: str, row: dict) -> dict:
+    return dict(response=response, response_length=len(response), ground_truth=row["answer"], prompt=row["problem"],
+                row=row, images=[], videos=[], messages=[{"role": "assistant", "content": response}])
+
+
+@pytest.fixture(scope="module")
+def legs() -> dict:
+    """Row 0 of reasoning_gym:leg_counting: 5 grasshoppers, 8 jellyfish, ..., 3 woodlice, 500 legs (test_data.py)."""
+    return reasoning_gym_rows("leg_counting", "train")[0]
+
+
+@pytest.mark.parametrize("response, accuracy, format_, tagged", [
+    ("<think>30 + 0 + 24 + ...</think><answer>500</answer>", 1.0, 1.0, 1.0),
+    ("<think>add</think>\n<answer> 500 </answer> done.", 1.0, 1.0, 1.0),  # spaces inside the tags, text after them
+    ("<answer>500 legs</answer>", 0.375, 0.0, 1.0),  # leg_counting's partial credit: 3 / 8, "500" inside 8 characters
+    ("<think>add</think><answer>499</answer>", 0.0, 1.0, 1.0),
+    ("500", 0.0, 0.0, 0.0),  # no tags: the verifier gets no answer
+    ("<think>add</think><answer>4</answer><answer>500</answer>", 1.0, 0.0, 1.0),  # the last one counts; two: format 0
+    ("<think><think>add</think><answer>500</answer>", 1.0, 0.0, 1.0),  # a <think> inside the thought
+])
+def test_reasoning_gym_scores_the_tagged_answer_with_the_tasks_own_verifier(legs, response, accuracy, format_, tagged):
+    expected = {"overall": accuracy, "accuracy": accuracy, "format": format_, "tagged": tagged}
+    assert reasoning_gym_reward(task_sample(response, legs)) == expected
+    weighted = reasoning_gym_reward(task_sample(response, legs), format_weight=0.2)
+    assert weighted == {**expected, "overall": pytest.approx(accuracy + 0.2 * format_)}
+
+
+def test_reasoning_gym_verifies_with_the_entrys_metadata():
+    """countdown row 0, "Calculate 164 using all of these numbers: 66, 34, 98, 54, 6": its verifier evaluates the
+    expression with the row's numbers and target (the metadata, generated again), not the stored answer's text."""
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("countdown", seed=0, size=2048)[0]
+    assert (entry["answer"], entry["metadata"]["numbers"], entry["metadata"]["target"]) == (
+        "6*(98 - 54) - 34 - 66", [66, 34, 98, 54, 6], 164)
+    row = {"problem": entry["question"], "answer": entry["answer"],
+           "reasoning_gym": {"dataset": "countdown", "seed": 0, "size": 2048, "index": 0}}
+    accuracy = {response: reasoning_gym_reward(task_sample(response, row))["accuracy"] for response in (
+        "<answer>(98 - 54) * 6 - 66 - 34</answer>",  # 264 - 100: right, written otherwise
+        "<answer>66 + 34 + 98 + 54 + 6</answer>",  # every number, 258: countdown's 0.05
+        "<answer>100 + 64</answer>",  # 164 from other numbers: 0.05
+        "164")}  # no tags: countdown's 0.01 for no answer
+    assert list(accuracy.values()) == [1.0, 0.05, 0.05, 0.01]
+
+
+def test_reasoning_gym_refuses_a_row_it_cannot_score(legs):
+    with pytest.raises(RewardError, match=r"scores rows of --data.train-files reasoning_gym:NAME, and this row has no "
+                       r"'reasoning_gym' column \(its columns: \['answer', 'problem'\]\)"):
+        reasoning_gym_reward(sample("<answer>7</answer>"))
+    partial = {**legs, "reasoning_gym": {"dataset": "leg_counting", "seed": 0}}
+    with pytest.raises(RewardError, match=r"lacks \['index', 'size'\], from which the task's entry is generated again"):
+        reasoning_gym_reward(task_sample("<answer>500</answer>", partial))
+    other = {**legs, "problem": legs["problem"].replace("5 grasshoppers", "6 grasshoppers")}
+    with pytest.raises(RewardError, match="makes row 0 .* again as another question than the row's 'problem'"):
+        reasoning_gym_reward(task_sample("<answer>506</answer>", other))
+
+
+def test_reasoning_gym_reward_needs_the_package_at_start_up(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import fails as if not installed
+    with pytest.raises(RewardError, match=r"^--reward.function reasoning_gym needs reasoning-gym: pip install "
+                       r"reasoning-gym$"):
+        RewardFunction(RewardConfig("reasoning_gym"))
+
+
+def test_reasoning_gym_through_the_reward_function_keeps_its_keys(legs):
+    reward = RewardFunction(RewardConfig("reasoning_gym", kwargs={"format_weight": 0.2}))
+    results = reward([task_sample(r, legs) for r in ("<think>.</think><answer>500</answer>", "", "<answer>5</answer>")])
+    assert results == [{"overall": pytest.approx(1.2), "accuracy": 1.0, "format": 1.0, "tagged": 1.0},
+                       {"overall": 0.0, "accuracy": 0.0, "format": 0.0, "tagged": 0.0},
+                       {"overall": 0.0, "accuracy": 0.0, "format": 0.0, "tagged": 1.0}]
 
 
 def test_builtins_through_reward_function_return_floats_with_fixed_keys():

@@ -193,7 +193,7 @@ def test_a_stale_engine_may_trail_by_its_staleness_and_no_more():
 
 
 # ---------------------------------------------------------------- through the entry point (the modes: in the runs of
-# test_train.py, test_reward_runs.py, test_sequence_parallel.py and test_tool_episodes.py)
+# test_train.py, test_reward_runs.py, test_sequence_parallel.py and test_episodes.py)
 
 
 @launched_run()

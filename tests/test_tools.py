@@ -1,12 +1,14 @@
-"""Multi-turn episodes with tool calls (tools.py), in-process and on the CPU: the parsers, loading tools and their
-schemas, the calculator, calls that fail in every way, and ToolRollout's episode loop driven by a scripted engine.
+"""Multi-turn episodes with tool calls (tools.py on env.py), in-process and on the CPU: the parsers, loading tools and
+their schemas, the calculator, calls that fail in every way, and the episode loop (env.EpisodeRollout) with the tool
+environment, driven by a scripted engine.
 
 The episode tests use the character tokenizer (plumbing/tiny.py: one token per character), so every expected
 token list is spelled out by hand with `ids`; the real Qwen2.5 vocabulary checks that a tool turn tokenized on
 its own is what the whole conversation's rendering gives (token in, token out). Engines under torchrun:
-tests/tools_worker.py.
+tests/episodes_worker.py.
 """
 
+import functools
 import string
 import sys
 import threading
@@ -20,10 +22,12 @@ from transformers import AutoProcessor, AutoTokenizer
 from data import toy_tool_rows
 from plumbing.tiny import build_qwen_tokenizer, build_tiny_model, build_tokenizer, chatml_template
 from rewards import RewardInput, toy_tools_reward
+from env import Episode, EpisodeRollout, content, cut, episode_metrics
+from plumbing import calls as plumbing_calls
+from plumbing.calls import Call, run_at_once
 from rollout import Response, RolloutConfig
-import tools
-from tools import (Episode, ToolCall, ToolRollout, calculate, call_tool, cut, episode_metrics, load_parser,
-                   load_tools, parse_qwen, parse_toy, run_calls, tool_content, tool_schema)
+from tools import (ToolCall, ToolConfig, ToolEnvironment, ToolResult, calculate, call_tool, load_parser, load_tools,
+                   parse_qwen, parse_toy, tool_schema)
 from vision import repeat
 
 # the character tokenizer's ids (plumbing/tiny.py): 8 specials, then printable ASCII in string.printable's order
@@ -75,13 +79,21 @@ class ScriptedEngine:
         return self.script.pop(0)
 
 
-def play(tokenizer, script, items=None, tools=None, greedy=False,
+def tool_rollout(engine, tokenizer, tools: dict, processor=None, parser: str = "toy", **changes) -> EpisodeRollout:
+    """The episode loop with the tool environment of `tools` (grpo.episodes_of's, for --tools.functions)."""
+    cfg = RolloutConfig(**{**dict(n=1, max_response_length=64, max_turns=4, max_turn_tokens=0), **changes})
+    max_chars = 8 * cfg.max_response_length
+    parse = load_parser(parser)
+    return EpisodeRollout(engine, cfg, lambda: ToolEnvironment(None, tools, parse, ToolConfig(parser=parser),
+                                                               cfg.env_timeout, max_chars, processor),
+                          tokenizer, processor, torch.device("cpu"), schemas=[tool_schema(fn) for fn in tools.values()])
+
+
+def play(tokenizer, script, items=None, tools=None, greedy=False, tool_parser="toy",
          **changes) -> tuple[list[list[Response]], ScriptedEngine]:
     """Episodes of the toy task (lookup tool, `?` parser) for `items` (one prompt whose answer is 7 by default)."""
-    settings = dict(tools="toy", tool_parser="toy", n=1, max_response_length=64, max_turns=4, max_turn_tokens=0)
     engine = ScriptedEngine(script)
-    rollout = ToolRollout(engine, RolloutConfig(**{**settings, **changes}), tools or load_tools("toy"), tokenizer,
-                          None, torch.device("cpu"))
+    rollout = tool_rollout(engine, tokenizer, tools or load_tools("toy"), parser=tool_parser, **changes)
     return rollout.generate(items or [item()], 3, greedy=greedy), engine
 
 
@@ -114,7 +126,7 @@ def test_parse_qwen_turns_a_malformed_call_into_an_error_and_no_call_into_nothin
     [broken] = parse_qwen('<tool_call>{"name": "f", "arguments": {</tool_call>')
     assert broken.name == "" and broken.arguments == {} and broken.error.startswith("the tool call is not JSON")
     for body in ['{"arguments": {"x": 1}}', '{"name": "f", "arguments": [1, 2]}', '{"name": "f", "arguments": "7"}',
-                 '[1, 2]', '{"name": 5, "arguments": {}}']:
+                 '[1, 2]', '{"name": 5, "arguments": {}}', '{"name": "f"}']:  # no arguments: as vLLM, not a call
         [call] = parse_qwen(f"<tool_call>{body}</tool_call>")
         assert call.name == "" and call.arguments == {} and call.error.startswith("a tool call is {"), body
     assert parse_qwen("The answer is 42.") == [] and parse_qwen("<tool_call>never closed") == []
@@ -143,13 +155,13 @@ def test_load_parser_by_name_or_from_a_file(tmp_path):
     path.write_text("from tools import ToolCall\n\n\ndef bang(text):\n"
                     "    return [ToolCall('ping', {})] * text.count('!')\n")
     assert load_parser(f"{path}:bang")("a!b!") == [ToolCall("ping", {}), ToolCall("ping", {})]
-    with pytest.raises(ValueError, match="has no function 'nope'"):
+    with pytest.raises(ValueError, match="has no 'nope'"):
         load_parser(f"{path}:nope")
-    with pytest.raises(ValueError, match="--rollout.tool-parser"):
+    with pytest.raises(ValueError, match="--tools.parser"):
         load_parser("hermes")
     broken = tmp_path / "broken_parser.py"
     broken.write_text("import no_such_package_here\n")
-    with pytest.raises(ValueError, match="^--rollout.tool-parser .*broken_parser.py': importing it raised "
+    with pytest.raises(ValueError, match="^--tools.parser .*broken_parser.py': importing it raised "
                                          "ModuleNotFoundError, line 1: No module named 'no_such_package_here'$"):
         load_parser(f"{broken}:parse")
 
@@ -178,14 +190,14 @@ def test_load_tools_takes_a_files_public_functions_or_its_tools_list(tmp_path):
 
 
 def test_load_tools_fails_naming_the_flag(tmp_path, monkeypatch):
-    """Missing file, no function, no such module: ValueError naming --rollout.tools; a module's functions load."""
-    with pytest.raises(ValueError, match="--rollout.tools .*no such file"):
+    """Missing file, no function, no such module: ValueError naming --tools.functions; a module's functions load."""
+    with pytest.raises(ValueError, match="--tools.functions .*no such file"):
         load_tools(str(tmp_path / "absent.py"))
     empty = tmp_path / "no_functions.py"
     empty.write_text("VALUE = 3\n")
-    with pytest.raises(ValueError, match="--rollout.tools .*defines no function"):
+    with pytest.raises(ValueError, match="--tools.functions .*defines no function"):
         load_tools(str(empty))
-    with pytest.raises(ValueError, match="--rollout.tools .*importable module"):
+    with pytest.raises(ValueError, match="--tools.functions .*importable module"):
         load_tools("no_such_module_of_tools")
     (tmp_path / "importable_tools_for_test.py").write_text("def double(x: int) -> str:\n    return str(2 * x)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -201,12 +213,12 @@ def test_load_tools_fails_naming_the_flag(tmp_path, monkeypatch):
     ("TOOLS = ['lookup', 3]\n", "TOOLS must be a list of functions, got ['lookup', 3]")])
 def test_a_tools_file_that_cannot_be_imported_or_lists_no_functions_is_one_error(tmp_path, source, message):
     """An exception while importing the tools file (with its line), a syntax error, a TOOLS that is not a list of
-    functions: a ValueError naming --rollout.tools and the file (the run's one `error:` line), not a traceback."""
+    functions: a ValueError naming --tools.functions and the file (the run's one `error:` line), not a traceback."""
     path = tmp_path / "bad_tools.py"
     path.write_text(source)
     with pytest.raises(ValueError) as raised:
         load_tools(str(path))
-    assert str(raised.value).startswith(f"--rollout.tools {str(path)!r}: {message}"), raised.value
+    assert str(raised.value).startswith(f"--tools.functions {str(path)!r}: {message}"), raised.value
 
 
 def search(query: str, limit: int, exact: bool = False, row: dict = None, images: list = None) -> str:
@@ -234,8 +246,9 @@ def test_tool_schema_of_a_typed_documented_function_leaves_out_the_injected_para
     assert tool_schema(load_tools("toy")["lookup"])["function"]["parameters"] == {"type": "object", "properties": {}}
 
 
-def test_tool_schema_refuses_a_parameter_without_a_type_or_a_description():
-    """No type hint, or no `Args:` line for a parameter: ValueError naming the tool."""
+def test_tool_schema_refuses_a_parameter_without_a_type_and_takes_one_without_a_description():
+    """No type hint: ValueError naming the tool. No `Args:` line for a parameter (or none at all): the schema has the
+    parameter, typed, without a description (a tool schema's descriptions are optional; transformers refuses it)."""
     def untyped(x) -> str:
         """Do it.
 
@@ -243,12 +256,24 @@ def test_tool_schema_refuses_a_parameter_without_a_type_or_a_description():
             x: the input
         """
 
-    def undocumented(x: int) -> str:
+    def undocumented(x: int, y: str = "a") -> str:
+        """Do it.
+
+        Args:
+            y: the label
+        """
+
+    def bare(x: int) -> str:
         """Do it."""
 
-    for fn in untyped, undocumented:
-        with pytest.raises(ValueError, match=f"tool '{fn.__name__}'"):
-            tool_schema(fn)
+    with pytest.raises(ValueError, match="tool 'untyped'"):
+        tool_schema(untyped)
+    assert tool_schema(undocumented)["function"] == {
+        "name": "undocumented", "description": "Do it.", "return": {"type": "string"},
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"},
+                                                         "y": {"type": "string", "description": "the label"}},
+                       "required": ["x"]}}
+    assert tool_schema(bare)["function"]["parameters"]["properties"] == {"x": {"type": "integer"}}
 
 
 # ---- the calculator ---------------------------------------------------------------------------------------------
@@ -274,7 +299,7 @@ def test_calculate_refuses_a_power_whose_result_is_huge_before_computing_it():
     """A power whose result is huge is refused by the guard, as a huge exponent is, before it is computed."""
     # every exponent is 99, under the guard's 100, yet ((9^99)^99)^99 has 925,081 digits; today it raises only when
     # str() meets Python's 4300-digit limit, after computing it. One level more (92 million digits) runs for
-    # minutes inside one C call that holds the GIL, so --rollout.tool-timeout cannot end it.
+    # minutes inside one C call that holds the GIL, so --tools.timeout cannot end it.
     with pytest.raises(ValueError, match="too large"):
         calculate("((9**99)**99)**99")
 
@@ -309,6 +334,14 @@ def returns(value):
 
 
 TOOLS = {"echo": echo, "broken": broken, "picture": picture}
+
+
+def run_calls(tools, calls, timeout, processor=None, max_chars=0):
+    """Each (call, row, images) through call_tool, all at once with the time limit (plumbing/calls.py), as
+    ToolEnvironment runs a turn's calls: their results, or the runner's error as the result's."""
+    outcomes = run_at_once([Call(call.name, functools.partial(call_tool, tools, call, row, images, processor,
+                                                              max_chars), timeout) for call, row, images in calls])
+    return [o.value if not o.error else ToolResult([f"error: {o.error}"], o.error) for o in outcomes]
 
 
 def test_call_tool_injects_row_and_images_and_returns_text():
@@ -350,8 +383,8 @@ def test_an_image_result_needs_a_model_that_reads_images_and_an_image_it_can_rea
     assert accepted.error == "" and isinstance(image, Image.Image) and image.getpixel((0, 0)) == (255, 0, 0)
     mixed = call_tool({"tool": returns(["a crop:", image])}, ToolCall("tool", {}), {}, [], vl_processor)
     assert mixed.content == ["a crop:", image]
-    assert tool_content(mixed.content) == [{"type": "text", "text": "a crop:"}, {"type": "image", "image": image}]
-    assert tool_content(["a", "b"]) == "a\nb"
+    assert content(mixed.content) == [{"type": "text", "text": "a crop:"}, {"type": "image", "image": image}]
+    assert content(["a", "b"]) == "a\nb"
     strip = call_tool({"strip": returns(["wide:", Image.new("RGB", (30000, 2))])}, ToolCall("strip", {}), {}, [],
                       vl_processor)
     assert strip.error.startswith("strip returned an image of 30000 x 2 pixels, which the model cannot read: ")
@@ -402,8 +435,8 @@ def test_a_tool_that_hangs_holds_a_bounded_number_of_threads(monkeypatch):
     refused at once (an error the model reads), so turn after turn of a hanging tool does not add a thread per call
     (it did: 1,075 threads after 4 steps, then `can't start new thread`). Another tool is still called; once the
     stray calls end, the tool is called again."""
-    monkeypatch.setattr(tools, "STRAY_CALLS", 6)
-    monkeypatch.setattr(tools, "_strays", {})
+    monkeypatch.setattr(plumbing_calls, "STRAY_CALLS", 6)
+    monkeypatch.setattr(plumbing_calls, "_strays", {})
     release = threading.Event()
 
     def hang() -> str:
@@ -418,8 +451,9 @@ def test_a_tool_that_hangs_holds_a_bounded_number_of_threads(monkeypatch):
         assert threading.active_count() - before == 8  # two turns' calls; the later turns' refused
     finally:
         release.set()
-    assert [r.error for r in turns[0]] == ["timed out after 0.05 s"] * 4 + [""]
-    assert [r.error for r in turns[4]] == ["refused: earlier calls still running"] * 4 + [""]
+    assert [r.error for r in turns[0]] == ["hang ran past the time limit of 0.05 s"] * 4 + [""]
+    assert [r.error for r in turns[4]] == ["hang was not called: 6 earlier calls of it are still running past their "
+                                           "time limit"] * 4 + [""]
     assert turns[4][0].content == ["error: hang was not called: 6 earlier calls of it are still running past their "
                                    "time limit"]
     deadline = time.monotonic() + 10
@@ -452,7 +486,7 @@ def test_a_call_past_the_timeout_gets_an_error_while_a_fast_one_gets_its_result(
     finally:
         release.set()
     assert finished.wait(10)
-    assert results[0].error == "timed out after 1 s"
+    assert results[0].error == "wait ran past the time limit of 1 s"
     assert results[0].content == ["error: wait ran past the time limit of 1 s"]
     assert results[1].content == ["quick"] and results[1].error == ""
 
@@ -496,9 +530,10 @@ def test_an_episode_that_calls_the_tool_then_answers(tokenizer, world_of_one):
     assert after_end == "\n" and tokenizer.decode(given) == after_end + tool_message
     assert tool_message == "<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
     episode = response.episode
-    assert (episode.stop_reason, episode.turns, episode.tool_calls, episode.tool_errors) == ("answered", 2, 1, 0)
-    assert episode.messages == [{"role": "assistant", "content": "?", "tool_calls": [{"name": "lookup",
-                                                                                      "arguments": {}}]},
+    assert (episode.stop_reason, episode.turns, episode.calls, episode.errors) == ("done", 2, 1, 0)
+    # the turn is the call (the toy parser's): the message holds it once, in tool_calls, not in its text too
+    assert episode.messages == [{"role": "assistant", "content": "", "tool_calls": [{"name": "lookup",
+                                                                                     "arguments": {}}]},
                                 {"role": "tool", "name": "lookup", "content": "7"},
                                 {"role": "assistant", "content": "7", "tool_calls": []}]
     assert not response.truncated and response.images == [] and len(engine.calls) == 2
@@ -524,7 +559,7 @@ def test_a_turn_cut_by_the_cap_gets_the_end_token_before_the_tool_turn(tokenizer
     assert response.logprobs[3:25] == [0.0] * 22
     assert engine.calls[1]["prompt_ids"] == [PROMPT + ids("a?b") + tool_turn("7", inserted_end=True)]
     assert [call["max_tokens"] for call in engine.calls] == [[3], [3]]
-    assert response.episode.stop_reason == "answered" and not response.truncated
+    assert response.episode.stop_reason == "done" and not response.truncated
 
 
 def test_a_call_in_the_last_allowed_turn_is_not_run(tokenizer, world_of_one):
@@ -533,7 +568,7 @@ def test_a_call_in_the_last_allowed_turn_is_not_run(tokenizer, world_of_one):
     assert response.token_ids == ids("?") + [IM_END] + tool_turn("7") + ids("x?") + [IM_END]
     assert response.mask == [1, 1] + [0] * 21 + [1, 1, 1]
     episode = response.episode
-    assert (episode.stop_reason, episode.turns, episode.tool_calls) == ("max_turns", 2, 1)
+    assert (episode.stop_reason, episode.turns, episode.calls) == ("max_turns", 2, 1)
     assert [m["role"] for m in episode.messages] == ["assistant", "tool", "assistant"]
     assert episode.messages[2]["tool_calls"] == [{"name": "lookup", "arguments": {}}]
     assert len(engine.calls) == 2 and not response.truncated
@@ -544,14 +579,14 @@ def test_a_tool_turn_that_does_not_fit_the_budget_ends_the_episode(tokenizer, wo
     # budget 23 = turn 1 (2 tokens) + the tool turn (21); the call itself did run
     [[response]], engine = play(tokenizer, [[[turn("?")]]], max_response_length=23)
     assert response.token_ids == ids("?") + [IM_END] and response.mask == [1, 1]
-    assert (response.episode.stop_reason, response.episode.tool_calls) == ("length", 1) and response.truncated
+    assert (response.episode.stop_reason, response.episode.calls) == ("length", 1) and response.truncated
     assert len(engine.calls) == 1
 
 
 def test_a_turn_that_fills_the_budget_or_is_cut_without_a_call_ends_with_length(tokenizer, world_of_one):
     """A call in a turn that fills the budget is not run; a cut turn without a call ends: both length."""
     [[full]], _ = play(tokenizer, [[[turn("ab?", end=False)]]], max_response_length=3)
-    assert (full.episode.stop_reason, full.episode.tool_calls, full.token_ids) == ("length", 0, ids("ab?"))
+    assert (full.episode.stop_reason, full.episode.calls, full.token_ids) == ("length", 0, ids("ab?"))
     assert full.truncated
     [[cut]], _ = play(tokenizer, [[[turn("123", end=False)]]], max_turn_tokens=3)
     assert (cut.episode.stop_reason, cut.episode.turns, cut.truncated) == ("length", 1, True)
@@ -562,25 +597,25 @@ def lookup(row: dict) -> str:
     raise RuntimeError("the table is gone")
 
 
-def test_failed_calls_end_the_episode_at_max_tool_errors_and_are_shown_below_it(tokenizer, world_of_one):
-    """At max_tool_errors a failed call ends the episode; below it the model reads the error and goes on."""
-    [[ended]], _ = play(tokenizer, [[[turn("?")]]], tools={"lookup": lookup}, max_tool_errors=1)
+def test_failed_calls_end_the_episode_at_max_env_errors_and_are_shown_below_it(tokenizer, world_of_one):
+    """At max_env_errors a failed call ends the episode; below it the model reads the error and goes on."""
+    [[ended]], _ = play(tokenizer, [[[turn("?")]]], tools={"lookup": lookup}, max_env_errors=1)
     assert ended.token_ids == ids("?") + [IM_END] and not ended.truncated
-    assert (ended.episode.stop_reason, ended.episode.tool_errors, ended.episode.tool_calls) == ("tool_errors", 1, 1)
+    assert (ended.episode.stop_reason, ended.episode.errors, ended.episode.calls) == ("errors", 1, 1)
     # the model never reads that last result: the call is in its turn, the result not in the messages
     assert [m["role"] for m in ended.episode.messages] == ["assistant"]
     assert ended.episode.messages[0]["tool_calls"] == [{"name": "lookup", "arguments": {}}]
     message = "error: lookup raised RuntimeError: the table is gone"
-    [[shown]], _ = play(tokenizer, [[[turn("?")]], [[turn("7")]]], tools={"lookup": lookup}, max_tool_errors=2,
+    [[shown]], _ = play(tokenizer, [[[turn("?")]], [[turn("7")]]], tools={"lookup": lookup}, max_env_errors=2,
                       max_response_length=128)  # the message's tool turn is 74 tokens
     assert shown.token_ids == ids("?") + [IM_END] + tool_turn(message) + ids("7") + [IM_END]
-    assert (shown.episode.stop_reason, shown.episode.tool_errors) == ("answered", 1)
+    assert (shown.episode.stop_reason, shown.episode.errors) == ("done", 1)
 
 
 def test_a_parser_that_raises_on_a_turn_fails_that_turns_call_and_one_of_the_wrong_type_is_an_error(tokenizer,
                                                                                                  world_of_one,
                                                                                                  tmp_path):
-    """--rollout.tool-parser FILE:FUNCTION raising on a turn (a degenerate one): the model reads why, the call is
+    """--tools.parser FILE:FUNCTION raising on a turn (a degenerate one): the model reads why, the call is
     counted as failed, the episode goes on; a parser returning something other than a list of ToolCall: a
     ValueError naming the flag (a bug in the parser, the run's one `error:` line)."""
     path = tmp_path / "fussy_parser.py"
@@ -590,9 +625,8 @@ def test_a_parser_that_raises_on_a_turn_fails_that_turns_call_and_one_of_the_wro
                            max_response_length=160)
     message = "error: the turn's tool calls could not be read: RecursionError: too deep"
     assert response.token_ids == ids("?") + [IM_END] + tool_turn(message) + ids("7") + [IM_END]
-    assert (response.episode.stop_reason, response.episode.tool_calls, response.episode.tool_errors) == (
-        "answered", 1, 1)
-    with pytest.raises(ValueError, match=r"^--rollout.tool-parser .*fussy' returned 'lookup'; a parser returns a "
+    assert (response.episode.stop_reason, response.episode.calls, response.episode.errors) == ("done", 1, 1)
+    with pytest.raises(ValueError, match=r"^--tools.parser .*fussy' returned 'lookup'; a parser returns a "
                                          r"list of tools.ToolCall"):
         play(tokenizer, [[[turn("x")]]], tool_parser=f"{path}:fussy")
 
@@ -612,30 +646,33 @@ def test_control_tokens_in_a_tool_result_are_text_the_model_reads(tokenizer, wor
 def test_a_chat_template_that_ignores_the_tools_is_said_once(tokenizer, world_of_one, capsys):
     """The character tokenizer's template (the tiny models') renders no tools: the model is never shown them, and
     a warning says so; Qwen's ChatML template lists them, and nothing is said."""
-    ToolRollout(ScriptedEngine([]), RolloutConfig(tools="toy", tool_parser="toy"), load_tools("toy"), tokenizer, None,
-                torch.device("cpu"))
+    tool_rollout(ScriptedEngine([]), tokenizer, load_tools("toy"))
     assert capsys.readouterr().err == ("warning: the chat template ignores `tools`, so the model is not shown the "
                                        "tools (lookup) and knows them only from the prompt\n")
     chatml = build_tokenizer()
     chatml.chat_template = chatml_template("Be brief.")
-    ToolRollout(ScriptedEngine([]), RolloutConfig(tools="calculator"), load_tools("calculator"), chatml, None,
-                torch.device("cpu"))
+    tool_rollout(ScriptedEngine([]), chatml, load_tools("calculator"), parser="qwen")
     assert capsys.readouterr().err == ""
 
 
 def test_groups_of_several_samples_keep_their_prompts_and_rows(tokenizer, world_of_one):
-    """n=2 samples of 2 prompts: each episode keeps its group, prompt and row; greedy is passed on."""
+    """n=2 samples of 2 prompts: each episode keeps its group, prompt and row; validation is passed on (and greedy,
+    one sample a prompt)."""
     first, second = item("3", PROMPT), item("8", PROMPT + ids("x"))
     script = [[[turn("?"), turn("5")], [turn("6"), turn("b?")]], [[turn("3")], [turn("8")]]]
-    groups, engine = play(tokenizer, script, items=[first, second], greedy=True)
+    engine = ScriptedEngine(script)
+    rollout = tool_rollout(engine, tokenizer, load_tools("toy"), val_n=2)
+    groups = rollout.generate([first, second], 3, validation=True)
     assert [len(group) for group in groups] == [2, 2]
     assert groups[0][0].token_ids == ids("?") + [IM_END] + tool_turn("3") + ids("3") + [IM_END]
     assert groups[0][1].token_ids == ids("5") + [IM_END] and groups[1][0].token_ids == ids("6") + [IM_END]
     assert groups[1][1].token_ids == ids("b?") + [IM_END] + tool_turn("8") + ids("8") + [IM_END]
     assert engine.calls[1]["prompt_ids"] == [PROMPT + ids("?") + [IM_END] + tool_turn("3"),
                                              PROMPT + ids("x") + ids("b?") + [IM_END] + tool_turn("8")]
-    assert engine.calls[1]["n"] == 1 and all(call["greedy"] for call in engine.calls)
+    assert engine.calls[1]["n"] == 1 and all(call["validation"] for call in engine.calls)
     assert [r.episode.turns for group in groups for r in group] == [2, 1, 1, 2]
+    _, greedy = play(tokenizer, [[[turn("7")]]], greedy=True)
+    assert greedy.calls[0]["greedy"]
 
 
 def crop(images: list) -> list:
@@ -656,8 +693,7 @@ def test_an_image_from_a_tool_joins_the_episode_and_counts_its_tokens(vl_process
     # budget 33 none, so the tool turn is not appended
     image = Image.new("RGB", (112, 112), (0, 255, 0))
     engine = ScriptedEngine([[[turn("?")]], [[turn("7")]]])
-    cfg = RolloutConfig(tools="crop", tool_parser="toy", n=1, max_response_length=budget)
-    rollout = ToolRollout(engine, cfg, {"lookup": crop}, vl_processor.tokenizer, vl_processor, torch.device("cpu"))
+    rollout = tool_rollout(engine, vl_processor.tokenizer, {"lookup": crop}, vl_processor, max_response_length=budget)
     [[response]] = rollout.generate([{"prompt_ids": PROMPT, "images": [image], "videos": [], "row": {}}], 3)
     given = (ids("\n") + [IM_START] + ids("tool\nhere:") + [VISION_START, IMAGE_PAD, VISION_END, IM_END] + ids("\n")
              + [IM_START] + ids("assistant\n"))
@@ -666,7 +702,7 @@ def test_an_image_from_a_tool_joins_the_episode_and_counts_its_tokens(vl_process
         assert response.token_ids == ids("?") + [IM_END] + given + ids("7") + [IM_END]
         [crop_of_image] = response.images
         assert crop_of_image.size == (56, 56) and crop_of_image.getpixel((0, 0)) == (0, 255, 0)
-        assert engine.calls[1]["max_tokens"] == [1] and response.episode.stop_reason == "answered"
+        assert engine.calls[1]["max_tokens"] == [1] and response.episode.stop_reason == "done"
         assert engine.calls[1]["images"] == [[image, crop_of_image]]  # the prompt's, then the tool's
     else:
         assert response.token_ids == ids("?") + [IM_END] and response.images == [] and len(engine.calls) == 1
@@ -675,9 +711,7 @@ def test_an_image_from_a_tool_joins_the_episode_and_counts_its_tokens(vl_process
 
 def test_the_wrapper_is_the_engine_for_everything_but_generate(tokenizer):
     """weights_version (and sync, sleep, shutdown) are the engine's own."""
-    rollout = ToolRollout(ScriptedEngine([]), RolloutConfig(tools="toy", tool_parser="toy"), load_tools("toy"),
-                          tokenizer, None, torch.device("cpu"))
-    assert rollout.weights_version == 3
+    assert tool_rollout(ScriptedEngine([]), tokenizer, load_tools("toy")).weights_version == 3
 
 
 def test_a_template_that_does_not_end_turns_with_the_end_token_is_refused():
@@ -685,24 +719,23 @@ def test_a_template_that_does_not_end_turns_with_the_end_token_is_refused():
     plain = build_tokenizer()
     plain.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="does not close an assistant turn"):
-        ToolRollout(ScriptedEngine([]), RolloutConfig(tools="toy", tool_parser="toy"), load_tools("toy"), plain, None,
-                    torch.device("cpu"))
+        tool_rollout(ScriptedEngine([]), plain, load_tools("toy"))
 
 
 def test_episode_metrics_on_hand_made_episodes(world_of_one):
     """Means per episode and the masked share of all response tokens: 3 episodes, 14 tokens of which 5 masked."""
     responses = [
         Response([0] * 6, [0.0] * 6, False, mask=[1, 1, 0, 0, 0, 1],
-                 episode=Episode(turns=2, tool_calls=1, tool_seconds=0.5, stop_reason="answered")),
+                 episode=Episode(turns=2, calls=1, seconds=0.5, stop_reason="done")),
         Response([0] * 4, [0.0] * 4, True, mask=[1, 1, 1, 1], episode=Episode(turns=1, stop_reason="length")),
         Response([0] * 4, [0.0] * 4, False, mask=[1, 0, 0, 1],
-                 episode=Episode(turns=3, tool_calls=2, tool_errors=1, tool_seconds=1.0, stop_reason="max_turns")),
+                 episode=Episode(turns=3, calls=2, errors=1, seconds=1.0, stop_reason="max_turns")),
     ]
     metrics = {key: value.item() for key, value in episode_metrics(responses, torch.device("cpu")).items()}
     assert metrics == pytest.approx({
-        "episode/masked_share": 5 / 14, "episode/turns": 2.0, "episode/tool_calls": 1.0, "episode/tool_errors": 1 / 3,
-        "episode/tool_seconds": 0.5, "episode/stop_answered": 1 / 3, "episode/stop_max_turns": 1 / 3,
-        "episode/stop_length": 1 / 3, "episode/stop_tool_errors": 0.0})
+        "episode/masked_share": 5 / 14, "episode/turns": 2.0, "episode/calls": 1.0, "episode/errors": 1 / 3,
+        "episode/env_seconds": 0.5, "episode/stop_done": 1 / 3, "episode/stop_max_turns": 1 / 3,
+        "episode/stop_length": 1 / 3, "episode/stop_errors": 0.0})
 
 
 # ---- the real Qwen2.5 vocabulary --------------------------------------------------------------------------------
@@ -730,18 +763,17 @@ def test_the_tool_turn_on_its_own_agrees_with_the_whole_conversations_rendering(
     assert tok.decode(given) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
                                  "<|im_start|>assistant\n")
     answer = tok.encode("It is 42.", add_special_tokens=False) + [QWEN_IM_END]
-    cfg = RolloutConfig(tools="calculator", tool_parser="qwen", n=1, max_response_length=256)
     for generated in canonical, by_character:
         engine = ScriptedEngine([[[Response(generated, [-0.5] * len(generated), False)]],
                                  [[Response(answer, [-0.5] * len(answer), False)]]])
-        rollout = ToolRollout(engine, cfg, tools, tok, None, torch.device("cpu"))
+        rollout = tool_rollout(engine, tok, tools, parser="qwen", max_response_length=256)
         [[response]] = rollout.generate([{"prompt_ids": prompt, "images": [], "videos": [], "row": {}}], 3)
         assert engine.calls[1]["prompt_ids"] == [prompt + generated + given]
         assert response.token_ids == generated + given + answer
         assert response.mask == [1] * len(generated) + [0] * len(given) + [1] * len(answer)
-        assert response.episode.messages[:2] == [
-            {"role": "assistant", "content": CALL, "tool_calls": [{"name": "calculate",
-                                                                   "arguments": {"expression": "6*7"}}]},
+        assert response.episode.messages[:2] == [  # the call once, in tool_calls
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "calculate",
+                                                                 "arguments": {"expression": "6*7"}}]},
             {"role": "tool", "name": "calculate", "content": "42"}]
     assert prompt + by_character + given != whole  # re-tokenizing would replace the sampled ids
 

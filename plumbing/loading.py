@@ -1,0 +1,48 @@
+"""Loading what a user names on the command line: a Python file or module, and a function or class in it, with a
+failure as one line naming the flag (the run's one `error:` line), never a traceback."""
+
+import importlib
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+
+
+def module_from_file(path: str, prefix: str, flag: str):
+    """The Python file at `path`, imported as the module `PREFIX_STEM`; an error in it is one line naming `flag`."""
+    if not Path(path).is_file():
+        raise ValueError(f"{flag} {path!r}: no such file (cwd: {Path.cwd()})")
+    module_spec = importlib.util.spec_from_file_location(f"{prefix}_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # as importlib's recipe: pickle and dataclasses look modules up here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        line = next((f", line {frame.lineno}" for frame in reversed(traceback.extract_tb(error.__traceback__))
+                     if frame.filename == str(Path(path).resolve()) or frame.filename == path), "")
+        raise ValueError(f"{flag} {path!r}: importing it raised {type(error).__name__}{line}: {error}") from None
+    return module
+
+
+def load_module(spec: str, prefix: str, flag: str, builtins: str = ""):
+    """A `.py` file (module_from_file) or an importable module; `builtins` lists what else the flag takes, for the
+    error."""
+    if spec.endswith(".py"):
+        return module_from_file(spec, prefix, flag)
+    try:
+        return importlib.import_module(spec)
+    except ImportError as error:
+        either = f"{builtins}, " if builtins else ""
+        raise ValueError(f"{flag} {spec!r}: not {either}a .py file or an importable module ({error})") from None
+
+
+def load_object(spec: str, prefix: str, flag: str, builtins: str = ""):
+    """`path/to/file.py:NAME` or `package.module:NAME`: that object of the file or module."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{flag} {spec!r}: use {builtins + ', ' if builtins else ''}path/to/file.py:NAME or "
+                         "module:NAME")
+    module = load_module(where, prefix, flag, builtins)
+    if not hasattr(module, name):
+        raise ValueError(f"{flag} {spec!r}: {where} has no {name!r}")
+    return getattr(module, name)
