@@ -77,18 +77,17 @@ from typing import Any, TypedDict
 
 import av
 import datasets
-import jinja2
 import numpy as np
 import pyarrow
 import pyarrow.parquet
 from datasets.fingerprint import generate_random_fingerprint
 from PIL import Image
 
+from plumbing.loading import load_template
 from vision import Video, image_tokens, video_metadata, video_tokens
 
 FILE_TYPES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 OPEN_TURN = "\ue002"  # marks where the user's text ends in a rendering, to leave the turn open there (open_turn)
-TEMPLATES = Path(__file__).parent / "templates"
 
 
 @dataclass
@@ -518,18 +517,6 @@ def load_rows(spec: str) -> datasets.Dataset:
 # ---------------------------------------------------------------- prompts: templates and the length filter
 
 
-def load_template(path: str) -> jinja2.Template | None:
-    """The format prompt, found as given or next to this file (so `templates/math.jinja` works from anywhere)."""
-    if not path:
-        return None
-    for candidate in (Path(path), Path(__file__).parent / path):
-        if candidate.is_file():
-            # StrictUndefined: a misspelt variable ({{ contnet }}) fails instead of rendering as ''
-            return jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(candidate.read_text())
-    shipped = sorted(f"templates/{p.name}" for p in TEMPLATES.glob("*.jinja"))
-    raise FileNotFoundError(f"format prompt {path!r} (--data.format-prompt) not found; shipped: {shipped}")
-
-
 class PromptItem(TypedDict):
     """One prompt, ready for the rollout (what PromptDataset[i] is). With the Qwen chat template, e.g.
 
@@ -561,7 +548,7 @@ class PromptDataset:
                                  f"set {flag} to the right one")
         self.cfg, self.tokenizer, self.name, self.processor, self.tools = cfg, tokenizer, name, processor, tools
         self.open_turn = open_turn
-        self.template = load_template(cfg.format_prompt)
+        self.template = load_template(cfg.format_prompt, "--data.format-prompt") if cfg.format_prompt else None
         self.has_images = cfg.image_key in rows.column_names
         self.has_videos = cfg.video_key in rows.column_names
         # an image slot without its image breaks the model whatever the flag says; other control tokens in a

@@ -24,6 +24,7 @@ Design decisions:
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -43,7 +44,7 @@ from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
 from env import EpisodeRollout, check_environment, environment_class, episode_metrics, episodes_of
 from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source, check_output_folder,
                         init_distributed, load_actor_and_reference, load_reward_model, save_hf_model)
-from logprobs import Batch, batch_of, batched_logprobs, micro_batches, response_logprobs
+from logprobs import Batch, batch_of, batched_logprobs, micro_batches, response_logprobs, reward_model_scores
 from lora import LoRAConfig, adapters_off
 from plumbing.attention import attention_line
 from plumbing.balance import balance_over_ranks
@@ -750,14 +751,13 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config, sp: SequenceParal
     return metrics, first_logprobs
 
 
-def validate(rollout, val_items, step, scoring: Scoring) -> tuple[dict, list[dict]]:
+def validate(rollout, val_items, step, scoring: Scoring, device: torch.device) -> tuple[dict, list[dict]]:
     """Validation metrics over all ranks (mean rewards and lengths; pass@k of each reward key), and this rank's
     samples (prompt, response, ground truth, scores)."""
     groups = scoring(val_items, rollout.generate(val_items, step, validation=True))
     samples = [{"prompt": g.item["prompt"], "ground_truth": str(g.item["ground_truth"]), "score": s,
                 "response": scoring.tokenizer.decode(r.token_ids, skip_special_tokens=True)}
                for g in groups for r, s in zip(g.responses, g.scores)]
-    device = scoring.device
     return {**score_metrics("val", groups, device), **pass_metrics("val", groups, device)}, samples
 
 
@@ -840,7 +840,9 @@ def main(cfg: Config) -> None:
         kl_coef = resume(start, actor, optimizer, scheduler, loader, console.print)["kl_coef"]
     reward_model = load_reward_model(reward_model_path, device, tokenizer, cfg.actor.fsdp_cpu_offload) \
         if reward_model_path else None
-    scoring = Scoring(reward_fn, tokenizer, reward_model, processor, device, cfg)
+    score_model = (functools.partial(reward_model_scores, reward_model, processor, tokenizer.pad_token_id, device,
+                                     cfg.actor) if reward_model is not None else None)
+    scoring = Scoring(reward_fn, tokenizer, score_model, cfg.reward.weights)
     training_state = TrainingState([m for m in (actor, ref, reward_model) if m is not None], optimizer, device,
                                    offload=cfg.actor.offload_while_generating)
     rollout = start_engine(cfg.rollout, model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
@@ -849,7 +851,7 @@ def main(cfg: Config) -> None:
         rollout = EpisodeRollout(rollout, cfg.rollout, episodes.environment, tokenizer, processor, device,
                                  episodes.opens_prompt, episodes.schemas)
     if cfg.trainer.val_only:  # the loaded weights evaluated: every sample and the metrics to run_dir/eval/
-        metrics, samples = validate(rollout, val_items, first_step - 1, scoring)
+        metrics, samples = validate(rollout, val_items, first_step - 1, scoring, device)
         write_evaluation(run_dir, first_step - 1, to_floats(metrics), samples, console.print, data=val_set.name,
                          model=cfg.actor.model_path, checkpoint=str(start or ""), val_n=cfg.rollout.val_n)
         dist.barrier()  # the files are written
@@ -867,7 +869,7 @@ def main(cfg: Config) -> None:
                         cfg.trainer.project_name, cfg.trainer.experiment_name, resume_step=first_step - 1)
     progress = RunProgress(console, cfg.trainer.total_steps, first_step, step_lines="console" in cfg.trainer.logger)
     if val_set and cfg.trainer.val_before_train and start is None:  # every rank, with prompts or not
-        val_metrics, samples = validate(rollout, val_items, 0, scoring)
+        val_metrics, samples = validate(rollout, val_items, 0, scoring, device)
         val_metrics = to_floats(val_metrics)
         trackers.log(val_metrics, 0, samples[:4])
         console.print("validation before training: " + json.dumps({k: round(v, 4) for k, v in val_metrics.items()}))
@@ -943,7 +945,7 @@ def main(cfg: Config) -> None:
             last = step == cfg.trainer.total_steps
             if val_set and cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
                 with timer("validate"):
-                    val_metrics, samples = validate(rollout, val_items, step, scoring)
+                    val_metrics, samples = validate(rollout, val_items, step, scoring, device)
                     metrics.update(val_metrics)
             metrics = step_totals(metrics, timer, sum(batch.sequence_lengths) / sp.size, device)
             trackers.log(metrics, step, samples[:4])  # before the checkpoint: a resume from it never misses this

@@ -414,6 +414,15 @@ def sequence_scores(model, batch: Batch, padding_free: bool = True) -> torch.Ten
     return F.linear(states.flatten(0, 1)[ends].float(), head.weight.float(), bias)[:, 0]  # [b]
 
 
+def reward_model_scores(model, processor, pad_id: int, device: torch.device, actor_cfg, groups: list,
+                        batch: Batch | None = None) -> list[float]:
+    """A reward model's score of every response of `groups` (rewards.Group), in the trainer's batch (`batch`, built
+    here when not given) and the actor's micro-batches (`actor_cfg`: grpo.ActorConfig): rewards.Scoring's `model`."""
+    batch = batch or batch_of(groups, processor, pad_id, device)
+    return batched_scores(model, batch, actor_cfg.micro_batch_size, actor_cfg.max_tokens_per_micro_batch,
+                          actor_cfg.padding_free).tolist()
+
+
 @torch.no_grad()
 def batched_scores(model, batch: Batch, micro_batch_size: int, max_tokens: int = 0,
                    padding_free: bool = True) -> torch.Tensor:

@@ -5,7 +5,7 @@ Design decisions:
   env, none) or a user's `path/to/file.py:function`. Per-sample kind: fn(RewardInput, **kwargs) -> dict; batch kind
   (`--reward.batch`, e.g. for a reward model): fn(list[RewardInput], **kwargs) -> list[dict].
 - The input carries everything users ask for: response, its token length, ground truth, the prompt,
-  the whole dataset row and its images.
+  the whole dataset row, its images and videos, and a multi-turn episode's messages, record and environment.
 - `overall` is the reward; every other key (format, accuracy, ...) is logged as mean/std and can be
   the dynamic-sampling key, so all samples must return the same keys.
 - Every result is checked (dict with `overall`, finite real numbers within float32's range, right batch
@@ -15,37 +15,34 @@ Design decisions:
   collective, so we stop at the sample that caused it; or (`--reward.on-error zero`) the sample scores 0,
   reported once and counted in a `failed` key.
 - Kwargs are checked against the function's signature at start-up, not at the first rollout.
+- What a reader of RL does not need lives in plumbing/: the time limits and the async loop (plumbing/calls.py), the
+  judge's HTTP client (plumbing/judge.py), loading a user's file (plumbing/loading.py); a reward model's forward is
+  logprobs.py's (reward_model_scores), which Scoring is given.
 
 Use: `--reward.function math --reward.kwargs format_weight 0.2`
   or `--reward.function my_rewards.py:score --reward.batch`.
 """
 
-import asyncio
-import concurrent.futures
-import importlib.util
 import inspect
 import json
 import re
-import signal
-import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from math import isfinite
 from numbers import Real
-from pathlib import Path
 from typing import Annotated, Any, Literal, TypedDict
 
-import jinja2
 import tyro
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
 from data import reasoning_gym_entry, reasoning_gym_task
-from logprobs import batch_of, batched_scores
+from plumbing.calls import CallTimeout, Deadline, EventLoop, Raised
+from plumbing.judge import JudgeClient, JudgeError
+from plumbing.loading import load_object, load_template
 from plumbing.sandbox import Limits, protections, run_code
 
 
@@ -328,120 +325,37 @@ reasoning_gym_reward.check = _check_reasoning_gym
 
 class Judge:
     """The built-in `judge` reward: a model served at an OpenAI-compatible endpoint (`vllm serve`, an API) grades each
-    response. Its prompt is --reward.judge-template rendered with the prompt, the response, the ground truth and the
-    row; its score the last match of --reward.judge-parser in the reply (or what a parser function returns). The
-    requests go out at once (at most --reward.max-concurrency), each retried with backoff on connection errors,
-    timeouts, 429 and 5xx (openai's client: --reward.judge-retries), and the same prompt is asked once, even by
-    calls at the same time: the answers are kept (the last 100,000), a failed request is not. A reply that is no chat
-    completion or holds no score, and a parser function that raises, are the sample's failure (--reward.on-error),
-    named with the start of the reply. At start-up one request (_probe) finds the endpoint and the judge's model.
+    response (plumbing/judge.py asks it: once a prompt, retried, the endpoint found at start-up). Its prompt is
+    --reward.judge-template rendered with the prompt, the response, the ground truth and the row; its score the last
+    match of --reward.judge-parser in the reply (or what a parser function returns). The requests go out at once (at
+    most --reward.max-concurrency). A reply that is no chat completion or holds no score, and a parser function that
+    raises, are the sample's failure (--reward.on-error), named with the start of the reply.
     """
-
-    CACHE = 100_000
 
     def __init__(self, config: RewardConfig):
         if not config.judge_url:
             raise RewardError("--reward.function judge needs --reward.judge-url, the OpenAI-compatible endpoint of the "
                               "judge model (e.g. http://127.0.0.1:8000/v1 for `vllm serve MODEL --port 8000`)")
-        self.config = config
-        self.template = _load_template(config.judge_template, "--reward.judge-template")
-        self.parse = _parser_function(config.judge_parser) if config.judge_parser.endswith(".py") or ".py:" in \
+        self.template = load_template(config.judge_template, "--reward.judge-template")
+        parse = _parser_function(config.judge_parser) if config.judge_parser.endswith(".py") or ".py:" in \
             config.judge_parser else _last_number(config.judge_parser)
         try:
-            self.request = json.loads(config.judge_request) if config.judge_request else {}
+            request = json.loads(config.judge_request) if config.judge_request else {}
         except json.JSONDecodeError as error:
             raise RewardError(f"--reward.judge-request {config.judge_request!r} is not JSON: {error}") from None
-        self.replies: OrderedDict[str, asyncio.Future] = OrderedDict()  # prompt -> its answer, or the request
-        self.client, self.asked, self.cached = None, 0, 0
-        self.model = self._probe()
+        try:
+            self.client = JudgeClient(config.judge_url, config.judge_model, config.judge_timeout,
+                                      config.judge_retries, request, parse)
+        except JudgeError as error:
+            raise RewardError(str(error)) from None
 
     async def __call__(self, inp: RewardInput) -> dict[str, float]:
         prompt = self.template.render(prompt=inp["prompt"], response=inp["response"],
                                       ground_truth=inp["ground_truth"], row=inp["row"])
-        if prompt in self.replies:
-            self.cached += 1
-            self.replies.move_to_end(prompt)
-        else:
-            self.replies[prompt] = asyncio.ensure_future(self._ask(prompt))
-            if len(self.replies) > self.CACHE:
-                self.replies.popitem(last=False)
-        answer = self.replies[prompt]
-        try:  # shielded: a caller's time limit does not cancel the request the other callers wait for
-            return await asyncio.shield(answer)
-        except BaseException:
-            if answer.done() and self.replies.get(prompt) is answer:  # a failure is asked again next time
-                del self.replies[prompt]
-            raise
-
-    def _probe(self) -> str:
-        """The judge's model (--reward.judge-model, else the first the endpoint lists), found by one request at
-        start-up: the model list, not retried, within --reward.judge-timeout. A URL that refuses, names no host or does
-        not answer ends the run here, not at the first rollout; an endpoint that answers without a model list is
-        enough when the model is named."""
-        from openai import APIConnectionError, APIStatusError, APITimeoutError, OpenAI
-
-        url, model, timeout = self.config.judge_url, self.config.judge_model, self.config.judge_timeout
-        with OpenAI(base_url=url, api_key="EMPTY", max_retries=0, timeout=timeout) as client:
-            try:
-                listing = client.models.with_raw_response.list()
-            except APIConnectionError as error:  # refused, no such host, or no answer in time
-                cause = (f"no answer within --reward.judge-timeout {timeout:g}s" if isinstance(error, APITimeoutError)
-                         else error.__cause__ or error.message)
-                raise RewardError(f"--reward.judge-url {url}: {cause}; serve the judge there (`vllm serve MODEL "
-                                  "--port 8000`: http://127.0.0.1:8000/v1) or fix the URL") from None
-            except APIStatusError as error:
-                listing = error.response
-        if model:
-            return model
-        names = _model_names(listing.text)
-        if not names:
-            raise RewardError(f"--reward.judge-url {url} lists no model (HTTP {listing.status_code}: "
-                              f"{listing.text!r:.80}); name the judge's model with --reward.judge-model")
-        return names[0]
-
-    async def _ask(self, prompt: str) -> dict[str, float]:
-        if self.client is None:  # made on the reward's event loop, where it is used
-            from openai import AsyncOpenAI
-
-            self.client = AsyncOpenAI(base_url=self.config.judge_url, api_key="EMPTY",
-                                      max_retries=self.config.judge_retries, timeout=self.config.judge_timeout)
-        self.asked += 1
-        reply = await self.client.chat.completions.with_raw_response.create(  # the request's fields go in the body
-            model=self.model, messages=[{"role": "user", "content": prompt}], temperature=0.0, max_tokens=64,
-            extra_body=self.request)
-        return self.parse(self._content(reply.text))
-
-    def _content(self, body: str) -> str:
-        """The text of a chat completion's first choice, read from the reply's body here (openai's client fails on a
-        body that is no completion with an AttributeError that names nothing); anything else is the sample's failure,
-        naming the endpoint and showing the body's start."""
         try:
-            reply = json.loads(body)
-        except ValueError:
-            reply = None
-        choices = reply.get("choices") if isinstance(reply, dict) else None
-        if choices == []:
-            raise RewardError(f"the judge's reply {body!r:.80} holds no choices (check that --reward.judge-model "
-                              f"{self.model!r} answers chat completions at --reward.judge-url {self.config.judge_url}, "
-                              "and what --reward.judge-request asks)")
-        message = choices[0].get("message") if isinstance(choices, list) and isinstance(choices[0], dict) else None
-        if not isinstance(message, dict) or not isinstance(message.get("content") or "", str):
-            raise RewardError(f"the judge's reply {body!r:.80} is no OpenAI chat completion (is --reward.judge-url "
-                              f"{self.config.judge_url} an OpenAI-compatible endpoint, as vllm serve's /v1?)")
-        return message.get("content") or ""
-
-
-def _model_names(body: str) -> list[str]:
-    """The names in an OpenAI model list, '{"data": [{"id": "Qwen/Qwen2.5-7B-Instruct", ...}]}'; none in anything
-    else."""
-    try:
-        listing = json.loads(body)
-    except ValueError:
-        return []
-    models = listing.get("data") if isinstance(listing, dict) else None
-    if not isinstance(models, list):
-        return []
-    return [m["id"] for m in models if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            return await self.client(prompt)
+        except JudgeError as error:
+            raise RewardError(str(error)) from None
 
 
 def _last_number(pattern: str) -> Callable[[str], dict[str, float]]:
@@ -460,7 +374,7 @@ def _last_number(pattern: str) -> Callable[[str], dict[str, float]]:
 def _parser_function(spec: str) -> Callable[[str], dict[str, float]]:
     """A parser: path/to/file.py:function, reply text -> a float, or a dict of scores with overall. A failure (what it
     raises, a result that is no number) names the parser and the reply it failed on."""
-    fn = _load(spec)
+    fn = load_reward(spec)
 
     def parse(text: str) -> dict[str, float]:
         try:
@@ -471,14 +385,6 @@ def _parser_function(spec: str) -> Callable[[str], dict[str, float]]:
                               ) from error
 
     return parse
-
-
-def _load_template(path: str, flag: str) -> jinja2.Template:
-    """A Jinja template file, found as given or next to this file (templates/judge.jinja works from anywhere)."""
-    for candidate in (Path(path), Path(__file__).parent / path):
-        if candidate.is_file():
-            return jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(candidate.read_text())
-    raise RewardError(f"{flag} {path!r}: no such template file")
 
 
 BUILTINS: dict[str, Callable] = {"toy": toy_reward, "math": math_reward, "r1v": r1v_reward,
@@ -578,16 +484,14 @@ class Group:
 
 @dataclass
 class Scoring:
-    """What scores a step's responses: the reward function (rewards.py, any kind) and the reward model (None without
-    one), with what a model's pass needs: the processor for the trainer's batch, the pad id, the device, and the
-    run's config (micro-batches, --reward.weights)."""
+    """What scores a step's responses: the reward function (any kind) and, with a reward model, its score of every
+    sequence (`model`: groups, their trainer batch or None -> a score a response; logprobs.reward_model_scores),
+    combined by --reward.weights."""
 
     reward_fn: "RewardFunction"
     tokenizer: Any
-    reward_model: Any  # a sharded sequence-classification model, or None
-    processor: Any
-    device: Any  # the training device
-    cfg: Any  # grpo.Config
+    model: Callable[[list, Any], list[float]] | None = None
+    weights: dict[str, float] = field(default_factory=dict)
 
     def start(self, items: list, responses: list[list]) -> tuple[list[Group], "PendingScores"]:
         """Each prompt's group, unscored, and the reward function's call on all of them started (an async reward
@@ -603,16 +507,13 @@ class Scoring:
 
     def model_scores(self, groups: list[Group], batch=None) -> None:
         """With a reward model: its score of every sequence (key `model`; `batch`: the groups' trainer batch, built
-        here when not given) and the weighted overall (rewards.combine); nothing without one."""
-        if self.reward_model is None:
+        for it when not given) and the weighted overall (combine); nothing without one."""
+        if self.model is None:
             return
-        actor = self.cfg.actor
-        batch = batch or batch_of(groups, self.processor, self.tokenizer.pad_token_id, self.device)
-        model = iter(batched_scores(self.reward_model, batch, actor.micro_batch_size,
-                                    actor.max_tokens_per_micro_batch, actor.padding_free).tolist())
+        model = iter(self.model(groups, batch))
         for group in groups:
             group.scores = combine([{**s, "model": next(model)} for s in group.scores],
-                                   self.cfg.reward.weights or {"overall": 1.0, "model": 1.0})
+                                   self.weights or {"overall": 1.0, "model": 1.0})
 
     def __call__(self, items: list, responses: list[list]) -> list[Group]:
         """Every score of a round at once: the function's, then the model's."""
@@ -660,7 +561,7 @@ class RewardFunction:
         self.batch = config.batch
         if self.name in BUILTINS and self.batch:
             raise RewardError(f"built-in reward {self.name!r} is per-sample: drop --reward.batch")
-        self.fn = BUILTINS[self.name] if self.name in BUILTINS else _load(self.name)
+        self.fn = BUILTINS[self.name] if self.name in BUILTINS else load_reward(self.name)
         if self.fn is Judge:  # the judge keeps a client and its replies: an instance is the reward
             self.fn = Judge(config)
         try:
@@ -672,7 +573,7 @@ class RewardFunction:
             getattr(self.fn, "__call__", None))
         on_main_thread = threading.current_thread() is threading.main_thread()
         self.deadline = Deadline() if config.timeout and not self.is_async and on_main_thread else None
-        self.loop: asyncio.AbstractEventLoop | None = None  # an async reward's, started at its first call
+        self.loop = EventLoop(config.max_concurrency, config.timeout)  # an async reward's calls
         self.keys: list[str] = []  # of the results so far: what a failed sample is scored 0 on
 
     def __call__(self, inputs: list[RewardInput]) -> list[dict[str, float]]:
@@ -688,24 +589,7 @@ class RewardFunction:
             where = [f"on a batch of {len(inputs)} samples"] if self.batch else [""] * len(inputs)
             return PendingScores(self, inputs, [self._call(arg, i, inputs[i], w)
                                                 for i, (arg, w) in enumerate(zip(arguments, where))])
-        if self.loop is None:
-            self.loop = asyncio.new_event_loop()
-            threading.Thread(target=self.loop.run_forever, daemon=True, name="reward-loop").start()
-            self.semaphore = asyncio.Semaphore(self.config.max_concurrency)
-        return PendingScores(self, inputs, [asyncio.run_coroutine_threadsafe(self._limited(arg), self.loop)
-                                            for arg in arguments])
-
-    async def _limited(self, argument):
-        """One async call, within the concurrency limit and the time limit; a failure is returned, not raised (an
-        exception that left the loop, SystemExit among them, would stop it)."""
-        async with self.semaphore:
-            try:  # in this task (not wait_for's own), where a SystemExit is caught here, not by the loop
-                async with asyncio.timeout(self.config.timeout or None):
-                    return await self.fn(argument, **self.kwargs)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - reported as the sample's failure in PendingScores.result
-                return _Raised(exc)
+        return PendingScores(self, inputs, [self.loop.submit(self.fn, arg, **self.kwargs) for arg in arguments])
 
     def _finish(self, inputs: list[RewardInput], results: list) -> list[dict[str, float]]:
         """The checked scores of `inputs` from the calls' `results` (one per sample, or one list for the batch)."""
@@ -739,7 +623,7 @@ class RewardFunction:
         try:
             with self.deadline(self.config.timeout) if self.deadline else nullcontext():
                 return self.fn(argument, **self.kwargs)
-        except RewardTimeout:
+        except CallTimeout:
             return self._failed(index, inp, f"ran past --reward.timeout {self.config.timeout:g}s", where)
         except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt aside: a Ctrl-C stops the run
             if isinstance(exc, KeyboardInterrupt):
@@ -747,7 +631,7 @@ class RewardFunction:
             return self._raised(index, inp, exc, where)
 
     def _raised(self, index: int, inp: RewardInput, exc: BaseException, where: str = "") -> RewardError:
-        if isinstance(exc, (RewardTimeout, TimeoutError)):
+        if isinstance(exc, (CallTimeout, TimeoutError)):
             return self._failed(index, inp, f"ran past --reward.timeout {self.config.timeout:g}s", where)
         if isinstance(exc, SystemExit):
             return self._failed(index, inp, f"called sys.exit({exc.code!r})", where)
@@ -787,13 +671,6 @@ class RewardFunction:
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-@dataclass
-class _Raised:
-    """What an async call raised, carried out of the event loop."""
-
-    exception: BaseException
-
-
 class PendingScores:
     """The scores of samples that may still be coming (RewardFunction.submit): `result()` waits for the calls, at most
     until each of them has had its time limit after the last could start, and checks what they returned."""
@@ -804,92 +681,23 @@ class PendingScores:
     def result(self) -> list[dict[str, float]]:
         reward, results = self.reward, list(self.calls)
         if reward.is_async:
-            rounds = -(-len(results) // reward.config.max_concurrency)  # calls wait for a free slot
-            deadline = self.started + reward.config.timeout * rounds + 1 if reward.config.timeout else None
-            for k, future in enumerate(self.calls):
+            where = f"on a batch of {len(self.inputs)} samples" if reward.batch else ""
+            for k, outcome in enumerate(reward.loop.results(self.calls, self.started)):
                 index = 0 if reward.batch else k
-                where = f"on a batch of {len(self.inputs)} samples" if reward.batch else ""
-                try:
-                    outcome = future.result(None if deadline is None else max(deadline - time.monotonic(), 0))
-                except concurrent.futures.TimeoutError:  # its loop is stuck in a call that never yields
-                    future.cancel()
-                    outcome = _Raised(TimeoutError())
                 results[k] = (reward._raised(index, self.inputs[index], outcome.exception, where)
-                              if isinstance(outcome, _Raised) else outcome)
+                              if isinstance(outcome, Raised) else outcome)
         return reward._finish(self.inputs, results)
 
 
-class RewardTimeout(BaseException):
-    """Raised inside a reward call that runs past its deadline. Not an Exception, so that a reward's own
-    `except Exception:` cannot swallow it."""
-
-
-class Deadline:
-    """`with deadline(seconds): call()` raises RewardTimeout inside the call once it has run `seconds`.
-
-    One watchdog thread, started once, sends the main thread a signal at the deadline: a signal interrupts a
-    sleep or a blocking socket read as well as a loop in Python (code stuck in C that holds the GIL is out of
-    reach). A real-time signal, because math_verify's own time limits use SIGALRM and torchrun forwards SIGUSR1/2.
-    Signals reach the main thread only: outside it, calls run without a time limit. A deadline costs two lock
-    round trips, where a timer thread per call would pay a thread start for every sample, a noticeable share of
-    a cheap per-sample reward (docs/running.md).
-    """
-
-    SIGNAL = signal.SIGRTMIN + 1
-
-    def __init__(self):
-        self.condition = threading.Condition()
-        self.due: float | None = None  # when the running call's time is up
-        self.calls = self.call = self.expired = 0  # calls started, the running one (0: none), the last that ran out
-        signal.signal(self.SIGNAL, self._expire)  # raises ValueError outside the main thread
-        threading.Thread(target=self._watch, daemon=True, name="reward-deadline").start()
-
-    @contextmanager
-    def __call__(self, seconds: float):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        with self.condition:
-            self.calls += 1
-            self.call, self.due = self.calls, time.monotonic() + seconds
-            self.condition.notify()
-        try:
-            yield
-        finally:
-            with self.condition:
-                self.call, self.due = 0, None
-
-    def _watch(self) -> None:
-        with self.condition:
-            while True:
-                left = None if self.due is None else self.due - time.monotonic()
-                if left is None or left > 0:
-                    self.condition.wait(left)
-                    continue
-                self.expired, self.due = self.call, None
-                signal.pthread_kill(threading.main_thread().ident, self.SIGNAL)
-
-    def _expire(self, signum, frame) -> None:
-        if self.call and self.call == self.expired:  # a late signal for a call that has returned is ignored
-            raise RewardTimeout
-
-
-def _load(spec: str) -> Callable[..., Any]:
-    """`path/to/file.py:function` -> the function, imported from that file."""
-    path, _, name = spec.rpartition(":")
-    if not path:
-        raise RewardError(
-            f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTINS)}) or path/to/file.py:function"
-        )
-    if not path.endswith(".py") or not Path(path).is_file():
-        raise RewardError(f"reward file {path!r} (from {spec!r}) is no .py file (cwd: {Path.cwd()})")
-    module_spec = importlib.util.spec_from_file_location(f"reward_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module  # as importlib's recipe: dataclasses and pickle look modules up here
-    module_spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise RewardError(f"{path} has no {name!r} (from {spec!r}): define `def {name}(...)` there or fix the name")
+def load_reward(spec: str) -> Callable[..., Any]:
+    """`path/to/file.py:function` (or `module:function`) -> the function (plumbing/loading.py)."""
+    if ":" not in spec:
+        raise RewardError(f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTINS)}) or "
+                          "path/to/file.py:function")
+    try:
+        fn = load_object(spec, "reward", "--reward.function")
+    except ValueError as error:
+        raise RewardError(str(error)) from None
     if not callable(fn):
-        raise RewardError(f"{path}:{name} is a {type(fn).__name__}, not a function")
+        raise RewardError(f"{spec} is a {type(fn).__name__}, not a function")
     return fn

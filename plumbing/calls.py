@@ -1,15 +1,22 @@
-"""Calls run at once, each in a daemon thread within its own time limit: what the environments of a rank's episodes
-do to answer a turn (env.py: reset, respond; tools.py: each tool call), all of them together.
+"""Calls of a user's code within time limits, three ways:
+- at once, each in a daemon thread (run_at_once): what the environments of a rank's episodes do to answer a turn
+  (env.py: reset, respond; tools.py: each tool call), all of them together;
+- one at a time on the main thread within a deadline (Deadline): a plain reward function's call (rewards.py);
+- async on an event loop of their own (EventLoop): an async reward's calls, while the trainer goes on.
 
-A call past its time is abandoned, not stopped (Python cannot kill a thread): it runs on in the background and its
-result is dropped. So that a call that hangs holds a bounded number of threads, the calls still running past their
-time are counted by what they call (their `name`), and once STRAY_CALLS of one name are, its next calls are refused
-at once until those end. A call stuck in C code that holds the GIL stalls the rank regardless.
+A call past its time in a thread is abandoned, not stopped (Python cannot kill a thread): it runs on in the background
+and its result is dropped. So that a call that hangs holds a bounded number of threads, the calls still running past
+their time are counted by what they call (their `name`), and once STRAY_CALLS of one name are, its next calls are
+refused at once until those end. A call stuck in C code that holds the GIL stalls the rank regardless.
 """
 
+import asyncio
+import concurrent.futures
+import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,3 +79,112 @@ def run_at_once(calls: list[Call]) -> list[Outcome]:
             done[i] = Outcome(error=f"{calls[i].name} ran past the time limit of {calls[i].timeout:g} s",
                               seconds=calls[i].timeout, timed_out=True)
     return done
+
+
+# ---------------------------------------------------------------------------------------------------
+# A plain call on the main thread within a deadline; async calls on an event loop of their own
+# ---------------------------------------------------------------------------------------------------
+
+
+class CallTimeout(BaseException):
+    """Raised inside a call that runs past its deadline. Not an Exception, so that the call's own `except Exception:`
+    cannot swallow it."""
+
+
+class Deadline:
+    """`with deadline(seconds): call()` raises CallTimeout inside the call once it has run `seconds`.
+
+    One watchdog thread, started once, sends the main thread a signal at the deadline: a signal interrupts a
+    sleep or a blocking socket read as well as a loop in Python (code stuck in C that holds the GIL is out of
+    reach). A real-time signal, because math_verify's own time limits use SIGALRM and torchrun forwards SIGUSR1/2.
+    Signals reach the main thread only: outside it, calls run without a time limit. A deadline costs two lock
+    round trips, where a timer thread per call would pay a thread start for every sample, a noticeable share of
+    a cheap per-sample reward (docs/running.md).
+    """
+
+    SIGNAL = signal.SIGRTMIN + 1
+
+    def __init__(self):
+        self.condition = threading.Condition()
+        self.due: float | None = None  # when the running call's time is up
+        self.calls = self.call = self.expired = 0  # calls started, the running one (0: none), the last that ran out
+        signal.signal(self.SIGNAL, self._expire)  # raises ValueError outside the main thread
+        threading.Thread(target=self._watch, daemon=True, name="call-deadline").start()
+
+    @contextmanager
+    def __call__(self, seconds: float):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        with self.condition:
+            self.calls += 1
+            self.call, self.due = self.calls, time.monotonic() + seconds
+            self.condition.notify()
+        try:
+            yield
+        finally:
+            with self.condition:
+                self.call, self.due = 0, None
+
+    def _watch(self) -> None:
+        with self.condition:
+            while True:
+                left = None if self.due is None else self.due - time.monotonic()
+                if left is None or left > 0:
+                    self.condition.wait(left)
+                    continue
+                self.expired, self.due = self.call, None
+                signal.pthread_kill(threading.main_thread().ident, self.SIGNAL)
+
+    def _expire(self, signum, frame) -> None:
+        if self.call and self.call == self.expired:  # a late signal for a call that has returned is ignored
+            raise CallTimeout
+
+
+@dataclass
+class Raised:
+    """What an async call raised, carried out of the event loop."""
+
+    exception: BaseException
+
+
+class EventLoop:
+    """Async calls on an event loop of this object's own thread (started at the first call), at most `concurrency`
+    at once, each within `timeout` seconds (0: no limit), while the caller goes on. A call's failure is returned as
+    Raised, not raised: an exception that left the loop (SystemExit among them) would stop it."""
+
+    def __init__(self, concurrency: int, timeout: float):
+        self.concurrency, self.timeout, self.loop = concurrency, timeout, None
+
+    def submit(self, fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
+        """Start fn(*args, **kwargs) (an async function) on the loop."""
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, daemon=True, name="async-calls").start()
+            self.semaphore = asyncio.Semaphore(self.concurrency)
+        return asyncio.run_coroutine_threadsafe(self._limited(fn, *args, **kwargs), self.loop)
+
+    async def _limited(self, fn: Callable, *args, **kwargs):
+        async with self.semaphore:
+            try:  # in this task (not wait_for's own), where a SystemExit is caught here, not by the loop
+                async with asyncio.timeout(self.timeout or None):
+                    return await fn(*args, **kwargs)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - returned: the caller names it as the call's failure
+                return Raised(exc)
+
+    def results(self, calls: list[concurrent.futures.Future], started: float) -> list:
+        """What each call (submitted at `started`, time.monotonic) returned, or Raised. Waits at most until each call
+        has had its time limit after the last could start; a call that never yields (a blocking sleep inside
+        `async def`) is given up then: Raised(TimeoutError())."""
+        rounds = -(-len(calls) // self.concurrency)  # calls wait for a free slot
+        deadline = started + self.timeout * rounds + 1 if self.timeout else None
+        outcomes = []
+        for future in calls:
+            try:
+                outcomes.append(future.result(None if deadline is None else max(deadline - time.monotonic(), 0)))
+            except concurrent.futures.TimeoutError:  # its loop is stuck in a call that never yields
+                future.cancel()
+                outcomes.append(Raised(TimeoutError()))
+        return outcomes

@@ -46,3 +46,16 @@ def load_object(spec: str, prefix: str, flag: str, builtins: str = ""):
     if not hasattr(module, name):
         raise ValueError(f"{flag} {spec!r}: {where} has no {name!r}")
     return getattr(module, name)
+
+
+def load_template(path: str, flag: str):
+    """A Jinja template file, found as given or in the project's templates/ (so `templates/math.jinja` works from
+    anywhere), undefined variables an error ({{ contnet }} fails instead of rendering as '')."""
+    import jinja2
+
+    root = Path(__file__).resolve().parent.parent
+    for candidate in (Path(path), root / path):
+        if candidate.is_file():
+            return jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(candidate.read_text())
+    shipped = sorted(f"templates/{p.name}" for p in (root / "templates").glob("*.jinja"))
+    raise FileNotFoundError(f"template {path!r} ({flag}) not found; shipped: {shipped}")

@@ -137,8 +137,7 @@ def test_math_rewards_of_hand_made_responses_through_the_real_tokenizer(tokenize
     responses = [Response(tokenizer.encode(text, add_special_tokens=False) + [IM_END], [], False) for text in answers]
     responses.append(Response(tokenizer.encode("\\boxed{3/4}", add_special_tokens=False) + [ENDOFTEXT], [], False))
     item = {"ground_truth": "\\frac{3}{4}", "prompt": "", "row": {}, "images": [], "videos": []}
-    [group] = Scoring(RewardFunction(RewardConfig(function="math")), tokenizer, None, None, "cpu", None)([item],
-                                                                                                        [responses])
+    [group] = Scoring(RewardFunction(RewardConfig(function="math")), tokenizer)([item], [responses])
     assert [s["overall"] for s in group.scores] == pytest.approx([*answers.values(), 0.9])
 
 

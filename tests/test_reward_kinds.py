@@ -201,7 +201,7 @@ def test_the_judge_scores_each_response_once_and_asks_nothing_twice(stub_url, tm
     scores = reward([sample("a"), sample("b"), sample("a")])
     assert scores == [{"overall": 5.0}] * 3
     assert sorted(Stub.requests) == ["what is 3 + 4? | a | 7", "what is 3 + 4? | b | 7"]
-    assert reward.fn.asked == 2 and reward.fn.cached == 1 and reward.fn.model == "stub-judge"
+    assert reward.fn.client.asked == 2 and reward.fn.client.cached == 1 and reward.fn.client.model == "stub-judge"
     parsed = judge(stub_url, tmp_path, judge_parser=r"Score: (\d)")([sample("c")])  # a group: the score itself
     assert parsed == [{"overall": float(len("what is 3 + 4? | c | 7") % 2)}]
 
@@ -278,7 +278,7 @@ def test_the_judges_url_and_model_are_found_when_the_reward_is_built(stub_url, t
     with pytest.raises(RewardError, match=re.escape(f"--reward.judge-url {empty} lists no model (HTTP 200: "
                                                     f"{listing!r}); name the judge's model with --reward.judge-model")):
         judge(empty, tmp_path)
-    assert judge(empty, tmp_path, judge_model="named").fn.model == "named"
+    assert judge(empty, tmp_path, judge_model="named").fn.client.model == "named"
 
 
 # ---------------------------------------------------------------- the reward model

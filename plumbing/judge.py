@@ -1,0 +1,122 @@
+"""The judge's client: a model served at an OpenAI-compatible endpoint (`vllm serve`, an API), asked one prompt at a
+time, each prompt once (rewards.py's `judge` reward renders the prompt and reads the score).
+
+- At start-up one request (`model`) lists the endpoint's models, within the time limit and not retried: a URL that
+  refuses, names no host or does not answer ends the run there, not at the first rollout.
+- Requests are retried with backoff on connection errors, timeouts, 429 and 5xx (openai's client, `retries`).
+- The same prompt is asked once, even by calls at the same time: each prompt's answer (what `read` makes of the reply)
+  is kept, the last CACHE of them; a failed request or reading is not, and is asked again next time.
+- A reply that is no chat completion (HTML, a JSON list, `{}`, no choices) is the call's failure, naming the endpoint
+  and showing the reply's start (openai's client fails on it with an AttributeError that names nothing).
+"""
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+
+class JudgeError(Exception):
+    """A failure of the judge's endpoint or reply, in words that say what to check."""
+
+
+class JudgeClient:
+    """Asks the judge at `url` (model `model`, or the first the endpoint lists) for its reply to a prompt; `read` turns
+    the reply's text into the answer kept (a score). `request`: JSON fields added to each request; `timeout`: seconds a
+    request may take (the start-up one's too)."""
+
+    CACHE = 100_000
+
+    def __init__(self, url: str, model: str, timeout: float, retries: int, request: dict, read: Callable[[str], Any]):
+        self.url, self.timeout, self.retries, self.request, self.read = url, timeout, retries, request, read
+        self.answers: OrderedDict[str, asyncio.Future] = OrderedDict()  # prompt -> its answer, or the request
+        self.client, self.asked, self.cached = None, 0, 0
+        self.model = self.find_model(model)
+
+    async def __call__(self, prompt: str) -> Any:
+        """The answer to `prompt`, asked once, however many calls want it."""
+        if prompt in self.answers:
+            self.cached += 1
+            self.answers.move_to_end(prompt)
+        else:
+            self.answers[prompt] = asyncio.ensure_future(self.ask(prompt))
+            if len(self.answers) > self.CACHE:
+                self.answers.popitem(last=False)
+        answer = self.answers[prompt]
+        try:  # shielded: a caller's time limit does not cancel the request the other callers wait for
+            return await asyncio.shield(answer)
+        except BaseException:
+            if answer.done() and self.answers.get(prompt) is answer:  # a failure is asked again next time
+                del self.answers[prompt]
+            raise
+
+    def find_model(self, model: str) -> str:
+        """`model`, else the first the endpoint lists, after one request that finds the endpoint: the model list, not
+        retried. An endpoint that answers without a list is enough when the model is named."""
+        listing = self.list_models()
+        if model:
+            return model
+        names = model_names(listing.text)
+        if not names:
+            raise JudgeError(f"--reward.judge-url {self.url} lists no model (HTTP {listing.status_code}: "
+                             f"{listing.text!r:.80}); name the judge's model with --reward.judge-model")
+        return names[0]
+
+    def list_models(self):
+        """The endpoint's reply to the model list (an HTTP error's too); a URL where nothing answers is refused."""
+        from openai import APIConnectionError, APIStatusError, APITimeoutError, OpenAI
+
+        with OpenAI(base_url=self.url, api_key="EMPTY", max_retries=0, timeout=self.timeout) as client:
+            try:
+                return client.models.with_raw_response.list()
+            except APIConnectionError as error:  # refused, no such host, or no answer in time
+                cause = (f"no answer within --reward.judge-timeout {self.timeout:g}s"
+                         if isinstance(error, APITimeoutError) else error.__cause__ or error.message)
+                raise JudgeError(f"--reward.judge-url {self.url}: {cause}; serve the judge there (`vllm serve MODEL "
+                                 "--port 8000`: http://127.0.0.1:8000/v1) or fix the URL") from None
+            except APIStatusError as error:
+                return error.response
+
+    async def ask(self, prompt: str) -> Any:
+        if self.client is None:  # made on the caller's event loop, where it is used
+            from openai import AsyncOpenAI
+
+            self.client = AsyncOpenAI(base_url=self.url, api_key="EMPTY", max_retries=self.retries,
+                                      timeout=self.timeout)
+        self.asked += 1
+        reply = await self.client.chat.completions.with_raw_response.create(  # the request's fields go in the body
+            model=self.model, messages=[{"role": "user", "content": prompt}], temperature=0.0, max_tokens=64,
+            extra_body=self.request)
+        return self.read(self.content(reply.text))
+
+    def content(self, body: str) -> str:
+        """The text of a chat completion's first choice, read from the reply's body; anything else is the call's
+        failure, naming the endpoint and showing the body's start."""
+        try:
+            reply = json.loads(body)
+        except ValueError:
+            reply = None
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if choices == []:
+            raise JudgeError(f"the judge's reply {body!r:.80} holds no choices (check that --reward.judge-model "
+                             f"{self.model!r} answers chat completions at --reward.judge-url {self.url}, and what "
+                             "--reward.judge-request asks)")
+        message = choices[0].get("message") if isinstance(choices, list) and isinstance(choices[0], dict) else None
+        if not isinstance(message, dict) or not isinstance(message.get("content") or "", str):
+            raise JudgeError(f"the judge's reply {body!r:.80} is no OpenAI chat completion (is --reward.judge-url "
+                             f"{self.url} an OpenAI-compatible endpoint, as vllm serve's /v1?)")
+        return message.get("content") or ""
+
+
+def model_names(body: str) -> list[str]:
+    """The names in an OpenAI model list, '{"data": [{"id": "Qwen/Qwen2.5-7B-Instruct", ...}]}'; none in anything
+    else."""
+    try:
+        listing = json.loads(body)
+    except ValueError:
+        return []
+    models = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(models, list):
+        return []
+    return [m["id"] for m in models if isinstance(m, dict) and isinstance(m.get("id"), str)]
