@@ -84,7 +84,7 @@ from datasets.fingerprint import generate_random_fingerprint
 from PIL import Image
 
 from plumbing.loading import load_template
-from vision import Video, image_tokens, video_metadata, video_tokens
+from vision import Video, image_tokens, placeholder_tokens, video_metadata, video_tokens
 
 FILE_TYPES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 OPEN_TURN = "\ue002"  # marks where the user's text ends in a rendering, to leave the turn open there (open_turn)
@@ -553,9 +553,9 @@ class PromptDataset:
         self.has_videos = cfg.video_key in rows.column_names
         # an image slot without its image breaks the model whatever the flag says; other control tokens in a
         # dataset's text would start or end turns of the conversation the model reads (a prompt injection)
-        slots = {processor.image_token, processor.video_token} if processor is not None else set()
+        slots = set(placeholder_tokens(processor)) if processor is not None else set()
         controls = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special} | slots
-        self.forbidden = sorted(slots if cfg.allow_special_tokens else controls)
+        self.forbidden, self.slots = sorted(slots if cfg.allow_special_tokens else controls), slots
 
         def fits(text, index: int, images=(), videos=()) -> bool:
             length = len(self.prompt_ids(self.prompt(text, index, len(images), len(videos))))
@@ -629,7 +629,7 @@ class PromptDataset:
                 raise ValueError(f"{self.where(index)}: the prompt holds {token!r}, a control token of the model's "
                                  "tokenizer, which would act as one in its input" +
                                  (": put `<image>` where an image goes, `<video>` where a video goes"
-                                  if token in ("<|image_pad|>", "<|video_pad|>") else "; remove it, or pass "
+                                  if token in self.slots else "; remove it, or pass "
                                   "--data.allow-special-tokens if the dataset really carries control tokens"))
         content = self.template.render(content=text) if self.template else text
         marks = [f"<{kind}>" for kind, count, present in (("image", num_images, self.has_images),

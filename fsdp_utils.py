@@ -5,9 +5,10 @@ Design decisions:
 - One process per device (torchrun). NCCL on GPU, gloo on CPU, chosen from what the machine has.
   Multi-node is torchrun's job (`--nnodes`, `--node_rank`, `--master_addr`): nothing here changes.
 - `fully_shard` on every block named in the model's `_no_split_modules` (decoder layers, and vision
-  blocks for VLMs), on a VLM's vision tower, then on the root, as torchtitan does. bf16 compute with fp32
-  master weights (or bf16 ones, --actor.dtype) and fp32 gradient reduction on GPU; plain fp32 on CPU (no
-  fast bf16 matmul path worth the rounding there).
+  blocks for VLMs), on a VLM's vision tower (the module its family's adapter names: vision.py), then
+  on the root, as torchtitan does. bf16 compute with fp32 master weights (or bf16 ones,
+  --actor.dtype) and fp32 gradient reduction on GPU; plain fp32 on CPU (no fast bf16 matmul path
+  worth the rounding there).
 - Loading without a full model copy per rank: every rank builds the model on the meta device and
   shards it; only rank 0 reads the checkpoint and broadcasts one tensor at a time, through the training
   device, and each rank keeps its shard (torch's `set_model_state_dict(broadcast_from_rank0=True)`
@@ -38,7 +39,7 @@ from lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
 from plumbing.attention import attention_implementation
 from plumbing.checkpoints import out_of_space, readable_like_other_files, size_text
 from plumbing.tiny import model_class
-from vision import is_vision_language, keep_vision_tower_in_step, use_original_positions
+from vision import family, is_vision_language, keep_vision_tower_in_step
 
 
 def init_distributed(timeout_minutes: float = 30, cpu_offload: bool = False) -> tuple[int, int, torch.device]:
@@ -170,9 +171,11 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
         if type(module).__name__ in block_names:
             fully_shard(module, mp_policy=mixed_precision, offload_policy=offload)
     if is_vision_language(config):  # the vision tower's own unit (its embedding, merger), then every forward runs it
-        fully_shard(hf_model.model.visual, mp_policy=mixed_precision, offload_policy=offload)
+        adapter = family(config)
+        fully_shard(adapter.vision_tower(hf_model), mp_policy=mixed_precision,
+                    offload_policy=offload)
         keep_vision_tower_in_step(hf_model, videos)
-        use_original_positions(hf_model)
+        adapter.use_original_positions(hf_model)
     # the root unit is the Hugging Face model, inside peft's wrapper when there is one: its forward and `generate`
     # (the hf engine's, which peft passes through) both start at the root, where FSDP2 initialises itself
     fully_shard(hf_model, mp_policy=mixed_precision, offload_policy=offload)
@@ -225,7 +228,8 @@ def load_actor_and_reference(actor_cfg, lora_cfg: LoRAConfig, model_path: str, d
     if actor_cfg.freeze_vision_tower:
         if not vision_language:
             raise SystemExit(f"--actor.freeze-vision-tower: {actor_cfg.model_path} has no vision tower")
-        base_of(actor).model.visual.requires_grad_(False)
+        model = base_of(actor)
+        family(model.config).vision_tower(model).requires_grad_(False)
     return actor, ref
 
 

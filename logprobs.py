@@ -10,9 +10,9 @@ Design decisions:
   for the forward (padding-free): its sequences back to back, position ids restarting at 0 for each.
   The attention keeps each sequence to itself (flash-attn's varlen kernel on GPU, sdpa once per sequence
   otherwise: plumbing/attention.py), so a packed forward gives each sequence the log-probs it gets alone, and no compute
-  is spent on padding. Vision-language models get their 3-D M-RoPE
-  positions computed per sequence and packed the same way, under a fourth row of 1-D text positions
-  (transformers' packed format for Qwen-VL: row 0 tells the sequences apart).
+  is spent on padding. Vision-language models get their 3-D M-RoPE positions computed per sequence
+  (by their family's adapter, vision.py) and packed the same way, under a fourth row of 1-D text
+  positions (transformers' packed format for M-RoPE: row 0 tells the sequences apart).
 - The output head never sees the whole micro-batch: the decoder's last hidden states of the response
   positions only ([N, H]) go through the head a chunk of CHUNK_TOKENS at a time, and each chunk's logits are
   recomputed in the backward pass (activation checkpointing), so no [tokens, vocabulary] tensor is ever
@@ -41,8 +41,8 @@ from lora import base_of
 from plumbing.collectives import all_reduce, to_device
 from plumbing.memory import CHUNK_TOKENS  # the output head's chunk, sized by the memory estimate
 from sequence_parallel import NO_SP, SequenceParallel
-from vision import (PLACEHOLDER_BIAS, concat, expand, is_vision_language, placeholder_token_ids, repeat,
-                    rope_index_arguments, token_types, vision_inputs)
+from vision import (PLACEHOLDER_BIAS, concat, expand, family, is_vision_language,
+                    placeholder_token_ids, repeat, vision_inputs)
 
 SEQUENCE, RESPONSE, ROW = "sequence", "response", "row"  # what a batch field spans: [B, T], [B, R], one value a row
 
@@ -275,9 +275,8 @@ def forward_inputs(model, batch: Batch, padding_free: bool, sp: SequenceParallel
     images = vision_inputs(model, input_ids, batch.vision)
     if padding_free and is_vision_language(model.config):  # each sequence's 3-D M-RoPE positions, then packed
         valid = torch.arange(T) < torch.tensor(lengths)[:, None]  # [b, T]
-        rope, _ = base_of(model).model.get_rope_index(padded, token_types(model.config, padded),
-                                                      attention_mask=valid.int().to(device),
-                                                      **rope_index_arguments(images))  # [3, b, T]
+        mask = valid.int().to(device)
+        rope = family(model.config).positions(base_of(model), padded, mask, images)  # [3, b, T]
         rope = rope.flatten(1)[:, on_device["tokens"]]  # [3, S] (the padding's: the first token's, unused)
         positions = torch.cat([positions[None], rope[:, None]])  # [4, 1, S]
     elif images:  # padded, with images or videos: the model computes its own 3-D positions

@@ -5,7 +5,7 @@ its own (the port of PORTS, comma-separated, at its place: vLLM's shutdown ends 
 each case's list of every rank's result. A vision-language ARCHITECTURE also generates for prompts with an
 image and with a video, before and after the sync (vLLM's encoder cache must not serve the old weights' embeddings),
 and the trainer scores the synced engine's samples with the images and the video (8 frames, longer than wide: its
-positions are those of vision.use_original_positions). With the
+positions are those of the adapters' use_original_positions, vision.py). With the
 hf engine the two ranks get different response length limits (rank 0: 3 tokens, rank 1: 12), so they run different
 numbers of decoding steps: a collective inside generation would hang here.
 """

@@ -24,7 +24,7 @@ from logprobs import (balanced_bins, batched_logprobs, budget_bins, forward_inpu
 from plumbing.attention import PACKED_SDPA
 from plumbing.metrics import logprob_metrics
 from plumbing.tiny import build_tiny_model, build_tiny_vlm
-from vision import Video, expand_prompt, use_original_positions
+from vision import Video, expand_prompt, family
 
 PROMPTS = [[1, 20, 21, 22, 2], [1, 30], [1, 40, 41], [1, 25, 26, 27, 28, 29, 30], [1, 33]]
 RESPONSES = [[50, 51, 2], [60, 61, 62, 63, 2], [70], [80, 81], [90, 91, 92, 93, 94, 95, 96, 2]]
@@ -131,10 +131,10 @@ def test_packed_equals_padded_for_vision_language_models(tmp_path, architecture)
     """Image rows (one and two images), video rows (a video; an image and a video longer than it is wide) and a
     text row packed into one row, with the 3-D M-RoPE positions of each sequence under a row of text positions: each
     sequence's log-probs and the gradients equal those of the padded batch, where the model computes its own
-    positions (the trainer's: vision.use_original_positions), and those of the sequence alone."""
+    positions (the trainer's: its adapter's use_original_positions), and those of the sequence alone."""
     path = build_tiny_vlm(architecture, tmp_path / architecture)
     model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation=PACKED_SDPA)
-    use_original_positions(model)
+    family(model.config).use_original_positions(model)
     processor = AutoProcessor.from_pretrained(path)
     vocab = processor.tokenizer.convert_tokens_to_ids
     start, pad, end, frames = vocab("<|vision_start|>"), vocab("<|image_pad|>"), vocab("<|vision_end|>"), vocab(

@@ -1,17 +1,24 @@
 """plumbing/tiny.py's vision-language models and vision.py: each model builds, its processor expands an image or a
 video placeholder into its tokens as the trainer does, the model reads them, every forward runs the vision tower as
-often, and Qwen2(.5)-VL's video positions are those of vLLM (the text models are exercised by every other test)."""
+often, Qwen2(.5)-VL's video positions are those of vLLM, and a family is one adapter (the text models are exercised
+by every other test)."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from torch.distributed.fsdp import FSDPModule
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, LlavaConfig
 
+import fsdp_utils
 from conftest import stripes
+from lora import LoRAConfig
+from logprobs import make_batch, response_logprobs
 from plumbing.tiny import VISION_ARCHITECTURES, build_tiny_model, model_class
-from vision import (Video, expand, expand_prompt, keep_vision_tower_in_step, token_types, use_original_positions,
-                    video_tokens, vision_inputs)
+from vision import (FAMILIES, Qwen2VLFamily, Video, expand, expand_prompt, family, keep_vision_tower_in_step,
+                    placeholder_token_ids, processor_family, token_types, video_tokens, vision_inputs)
 
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
 
@@ -164,7 +171,7 @@ def test_video_positions_are_those_of_the_original_code_and_of_vllm(tmp_path, ar
     processor, model = AutoProcessor.from_pretrained(path), AutoModelForImageTextToText.from_pretrained(path)
     start, end = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
     transformers_rope = model.model.get_rope_index
-    use_original_positions(model)
+    family(model.config).use_original_positions(model)
     assert model.model.get_rope_index is not transformers_rope
 
     def positions(rope, ids, images, videos):
@@ -189,3 +196,55 @@ def test_video_positions_are_those_of_the_original_code_and_of_vllm(tmp_path, ar
     got = positions(model.model.get_rope_index, clip, [], [video(8)])
     assert torch.equal(got, expected), got
     assert positions(transformers_rope, clip, [], [video(8)])[0, -3] == 2 + 2  # transformers 5.19: past h, w only
+
+
+def test_a_new_family_is_one_adapter(tmp_path, monkeypatch, world_of_one):
+    """vision.FAMILIES: each tiny model's config and processor find their family's adapter; a
+    vision-language model_type without one is refused, naming the supported ones. A fourth family
+    registered here (Qwen2-VL's adapter under a made-up model_type, whose placeholders are the
+    vision start and end tokens and whose tower is the merger alone) is what the trainer's
+    loading, freezing, log-probs and token types then follow."""
+    for architecture in VISION_ARCHITECTURES:
+        path = build_tiny_model(architecture, tmp_path / architecture)
+        assert family(AutoConfig.from_pretrained(path)) is FAMILIES[architecture]
+        assert processor_family(AutoProcessor.from_pretrained(path)) is FAMILIES[architecture]
+    refused = (r"^vision-language model_type 'llava' is not supported \(supported: model_type "
+               r"qwen2_vl, qwen2_5_vl, qwen3_vl\); a new family is one adapter in vision.py "
+               r"\(FAMILIES\)$")
+    with pytest.raises(ValueError, match=refused):
+        placeholder_token_ids(LlavaConfig())
+
+    class FourthFamily(Qwen2VLFamily):
+        def placeholder_ids(self, source):
+            return source.vision_start_token_id, source.vision_end_token_id
+
+        def vision_tower(self, model):
+            return model.model.visual.merger
+
+    def fourth_config(path):  # tiny:qwen2_vl's config under the fourth family's model_type
+        config = AutoConfig.from_pretrained(path)
+        config.model_type = "fourth_vl"
+        return config
+
+    monkeypatch.setitem(FAMILIES, "fourth_vl", FourthFamily())
+    monkeypatch.setattr(fsdp_utils, "AutoConfig", SimpleNamespace(from_pretrained=fourth_config))
+    path = str(tmp_path / "qwen2_vl")
+    actor_cfg = SimpleNamespace(dtype="float32", fsdp_cpu_offload=False, freeze_vision_tower=True,
+                                gradient_checkpointing=False, model_path=path)
+    actor, _ = fsdp_utils.load_actor_and_reference(actor_cfg, LoRAConfig(), path,
+                                                   torch.device("cpu"), False, True, print)
+    config, visual = actor.config, actor.model.visual
+    start, end = config.vision_start_token_id, config.vision_end_token_id
+    assert config.model_type == "fourth_vl" and placeholder_token_ids(config) == [start, end]
+    assert token_types(config, torch.tensor([[start, 40, end]])).tolist() == [[1, 0, 2]]
+    assert isinstance(visual.merger, FSDPModule) and not isinstance(visual, FSDPModule)  # its unit
+    assert not any(p.requires_grad for p in visual.merger.parameters())  # the frozen tower
+    assert all(p.requires_grad for p in visual.blocks.parameters())
+    # the trainer's log-probs bias the fourth family's placeholders (padded rows: packed ones would
+    # take the start token for an image without one); its packed rows get the adapter's positions
+    batch = make_batch([[1, 40], [1, 40]], [[start], [41]], pad_id=0)
+    logprobs = response_logprobs(actor, batch, 1.0, padding_free=False)
+    assert logprobs[0, 0] < -90 < logprobs[1, 0]
+    text = make_batch([[1, 40, 41], [1, 50]], [[42, 2], [51, 52, 2]], pad_id=0)
+    padded = response_logprobs(actor, text, 1.0, padding_free=False)
+    torch.testing.assert_close(response_logprobs(actor, text, 1.0), padded, atol=1e-5, rtol=0)

@@ -159,7 +159,7 @@ def test_vision_language_models_train_on_mixed_rows_without_hanging(runs, archit
     rows, in step 2 rank 0 image and text rows and rank 1 video rows, so a rank must run the vision tower on a blank
     image or video whenever another runs it on a real one, or the FSDP collectives of the two ranks no longer match
     (a hang, or gloo's "collective mismatch"). The trainer agrees with vLLM on every sample: the 8-frame video is
-    longer than it is wide, where transformers' own positions would not (vision.use_original_positions). The
+    longer than it is wide, where transformers' own positions would not (vision.py: use_original_positions). The
     validation data gives its videos as lists of frames. Qwen2-VL with a frozen vision tower, Qwen3-VL with the R1-V
     template and reward."""
     launched = runs[MIXED_ROWS_RUNS[architecture]]
