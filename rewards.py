@@ -493,17 +493,11 @@ class Scoring:
     model: Callable[[list, Any], list[float]] | None = None
     weights: dict[str, float] = field(default_factory=dict)
 
-    def start(self, items: list, responses: list[list]) -> tuple[list[Group], "PendingScores"]:
-        """Each prompt's group, unscored, and the reward function's call on all of them started (an async reward
-        runs while the caller goes on)."""
+    def start(self, items: list, responses: list[list]) -> tuple[list[Group], "RoundScores"]:
+        """Each prompt's group, unscored, and the round's scores, the reward function's call on all of them started
+        (an async reward runs while the caller goes on)."""
         return ([Group(item, group) for item, group in zip(items, responses)],
-                self.reward_fn.submit(reward_inputs(self.tokenizer, items, responses)))
-
-    def give(self, groups: list[Group], pending: "PendingScores | None") -> None:
-        """The reward function's scores into the groups, n each (pending None: given already)."""
-        scores = iter(pending.result() if pending is not None else [])
-        for group in groups if pending is not None else []:
-            group.scores = [next(scores) for _ in group.responses]
+                RoundScores(self, self.reward_fn.submit(reward_inputs(self.tokenizer, items, responses))))
 
     def model_scores(self, groups: list[Group], batch=None) -> None:
         """With a reward model: its score of every sequence (key `model`; `batch`: the groups' trainer batch, built
@@ -517,11 +511,36 @@ class Scoring:
 
     def __call__(self, items: list, responses: list[list]) -> list[Group]:
         """Every score of a round at once: the function's, then the model's."""
-        groups, pending = self.start(items, responses)
-        self.give(groups, pending)
-        self.model_scores(groups)
+        groups, scores = self.start(items, responses)
+        scores.give(groups)
         return groups
 
+
+@dataclass
+class RoundScores:
+    """A round's scores, given to its groups as they come: the reward function's (an async reward may still be
+    running), then, once, the reward model's (Scoring.model_scores)."""
+
+    scoring: Scoring
+    pending: "PendingScores | None"  # the function's, not yet given (None: given)
+    modelled: bool = False  # the reward model's given
+
+    def function_scores(self, groups: list[Group]) -> None:
+        """The reward function's scores into the groups, n each, if they are not there yet (dynamic sampling filters
+        on them before the model scores)."""
+        if self.pending is not None:
+            scores = iter(self.pending.result())
+            for group in groups:
+                group.scores = [next(scores) for _ in group.responses]
+            self.pending = None
+
+    def give(self, groups: list[Group], batch=None) -> None:
+        """Every score not yet given: the function's, then the reward model's (`batch`: the groups' trainer batch,
+        built for it when not given)."""
+        self.function_scores(groups)
+        if not self.modelled:
+            self.scoring.model_scores(groups, batch)
+            self.modelled = True
 
 
 def read_flag(value):

@@ -16,15 +16,17 @@ Activations per rank are 1/N of the row's (attention's too: all S tokens, but h/
 FSDP2 over all ranks as without sequence parallelism, and each attention layer moves four tensors of [S/N, h, d] per
 rank through all-to-alls (query, key, value and the output; as many again in the backward).
 
-Vision-language models: the vision tower runs on every rank of the group on all the row's images, and their
-embeddings are merged into the whole row before it is cut (the cut runs as the language model's forward pre-hook,
-on its input embeddings, 3-D M-RoPE positions and Qwen3-VL's deepstack features): an image's tokens may straddle two
-slices, and the tower's cost is small beside the language model's at the lengths sequence parallelism is for. The
-same hook hands the group to the language model's attention layers; the tower's attention never sees it.
+Vision-language models: the vision tower runs on every rank of the group on all the row's images,
+and their embeddings are merged into the whole row before it is cut (the cut runs as the language
+model's forward pre-hook, on its input embeddings, its 3-D M-RoPE positions and the inputs of the
+family's own, which its adapter in vision.py cuts): an image's tokens may straddle two slices, and
+the tower's cost is small beside the language model's at the lengths sequence parallelism is for.
+The same hook hands the group to the language model's attention layers; the tower's never sees it.
 """
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,7 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from transformers import AutoConfig
 
 from lora import base_of
+from vision import family, is_vision_language
 
 
 @dataclass
@@ -64,11 +67,14 @@ class SequenceParallel:
         columns = [dist.new_group(column.tolist()) for column in mesh.T]
         return cls(size, me % size, groups[me // size], columns[me % size])
 
-    def share(self, groups: list) -> list:
+    def share(self, groups: list, scores) -> list:
         """The rollout groups of every rank of this rank's sequence-parallel group, in rank order: each rank
-        generated its own prompts, and from here on all of them train on all of these (rewards.Group objects)."""
+        generated its own prompts, and from here on all of them train on all of these (rewards.Group objects). Each
+        rank's groups are scored first, where they were sampled (`scores`: their rewards.RoundScores: the reward
+        function's, the reward model's on their own rows); size 1: the groups as they are, scored later."""
         if self.size == 1:
             return groups
+        scores.give(groups)
         everyone = [None] * self.size
         dist.all_gather_object(everyone, groups, group=self.group)
         return [group for rank_groups in everyone for group in rank_groups]
@@ -88,20 +94,24 @@ class SequenceParallel:
         if self.size == 1:
             yield
             return
-        decoder = base_of(model).model
-        decoder = getattr(decoder, "language_model", decoder)  # a vision-language model's text decoder
-        hook = decoder.register_forward_pre_hook(self._slice, with_kwargs=True)
+        decoder, adapter = base_of(model).model, None
+        if is_vision_language(model.config):  # the family's text decoder and own inputs (vision.py)
+            adapter = family(model.config)
+            decoder = adapter.language_model(base_of(model))
+        hook = decoder.register_forward_pre_hook(partial(self._slice, adapter), with_kwargs=True)
         try:
             yield
         finally:
             hook.remove()
 
-    def _slice(self, module, args, kwargs):
-        """The language model's inputs cut to this rank's slice: token ids or embeddings [1, S, ...], positions
-        [..., 1, S], Qwen3-VL's visual mask [1, S] and deepstack features (one row per visual token); and the group,
-        which its attention layers find in their kwargs (plumbing/attention.py). Given here, not with the model's
-        inputs: transformers passes those on to the vision tower's attention too, whose rows are not cut (under
-        flash-attn's varlen kernel every rank but the first would get uninitialised image embeddings)."""
+    def _slice(self, adapter, module, args, kwargs):
+        """The language model's inputs cut to this rank's slice: token ids or embeddings
+        [1, S, ...], positions [..., 1, S], a vision-language family's own inputs (`adapter`'s
+        cut_inputs, vision.py; None: a text model); and the group, which its attention layers find
+        in their kwargs (plumbing/attention.py). Given here, not with the model's inputs:
+        transformers passes those on to the vision tower's attention too, whose rows are not cut
+        (under flash-attn's varlen kernel every rank but the first would get uninitialised image
+        embeddings)."""
         kwargs["sequence_parallel"] = self
         tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
         piece = tokens.shape[1] // self.size
@@ -110,11 +120,8 @@ class SequenceParallel:
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name][:, cut]
         kwargs["position_ids"] = kwargs["position_ids"][..., cut]
-        if kwargs.get("visual_pos_masks") is not None:
-            visual = kwargs["visual_pos_masks"]
-            before, inside = int(visual[:, : cut.start].sum()), int(visual[:, cut].sum())
-            kwargs["visual_pos_masks"] = visual[:, cut]
-            kwargs["deepstack_visual_embeds"] = [e[before: before + inside] for e in kwargs["deepstack_visual_embeds"]]
+        if adapter is not None:
+            kwargs.update(adapter.cut_inputs(kwargs, cut))
         return args, kwargs
 
     def attend(self, attention, module, query, key, value, attention_mask, **kwargs):

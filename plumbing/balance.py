@@ -7,7 +7,7 @@ step. Before the update the ranks therefore exchange sequences so each holds abo
     batch = balance_over_ranks(batch, mini_batch, pad_id)   # a logprobs.Batch: every field travels with its rows
 
 Design decisions:
-- After the advantages, which need each group whole on one rank (grpo.py's estimators); the reference and
+- After the advantages, which need each group whole on one rank (algorithms.py's estimators); the reference and
   old-log-prob passes before them are balanced within each rank only (logprobs.micro_batches).
 - Sequences move between ranks, never between optimizer steps: the rows at positions [k*m, (k+1)*m) of every
   rank (mini-batch k, m rows per rank) are dealt out again, m to each rank, longest first onto the lightest

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from fsdp_utils import init_distributed, load_sharded_model
-from grpo import (AdvantageInputs, Config, LossInputs, POLICY_LOSSES, aggregate, backward_mini_batch,
-                  reinforce_pp_advantages)
+from algorithms import AdvantageInputs, LossInputs, POLICY_LOSSES, aggregate, reinforce_pp_advantages
+from grpo import Config, backward_mini_batch
 from logprobs import batched_logprobs, budget_bins, make_batch, response_logprobs
 from plumbing.balance import balance_over_ranks
 from plumbing.collectives import sum_over_ranks

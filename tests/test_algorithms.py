@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import torchrun
-from grpo import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AlgorithmConfig, LossInputs, POLICY_LOSSES, aggregate,
-                  cispo_loss, discounted_returns, dr_grpo_advantages, grpo_advantages, grpo_passk_advantages, gspo_loss,
-                  gspo_token_loss, keep_group, kl_penalty, ppo_clip_loss, reinforce_pp_advantages, remax_advantages,
-                  rloo_advantages, sapo_loss, token_rewards)
+from algorithms import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AlgorithmConfig, LossInputs, POLICY_LOSSES, aggregate,
+                        cispo_loss, discounted_returns, dr_grpo_advantages, grpo_advantages, grpo_passk_advantages,
+                        gspo_loss, gspo_token_loss, keep_group, kl_penalty, ppo_clip_loss, reinforce_pp_advantages,
+                        remax_advantages, rloo_advantages, sapo_loss, token_rewards)
 from logprobs import batched_logprobs, make_batch
 
 

@@ -20,8 +20,9 @@ import torch.distributed as dist
 import grpo
 import plumbing.metrics as metrics
 from conftest import free_port
-from grpo import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AlgorithmConfig, Config, Group, LossInputs, POLICY_LOSSES,
-                  aggregate, backward_mini_batch, kl_penalty, token_rewards)
+from algorithms import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AlgorithmConfig, LossInputs, POLICY_LOSSES, aggregate,
+                        kl_penalty, token_rewards)
+from grpo import Config, Group, backward_mini_batch
 from logprobs import batched_logprobs, make_batch, response_logprobs
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
 from plumbing.metrics import logprob_metrics, score_metrics
@@ -74,12 +75,14 @@ class Decoder(torch.nn.Module):
 
 class StandIn(torch.nn.Module):
     """A tiny causal LM with transformers' calling convention and layout (a decoder `model`, an output head; a real
-    one cannot run on meta end to end), and a vision-language model's config, so the placeholder-token bias runs
-    too (its 2-D position ids are those of a text-only micro-batch, which is all this batch holds)."""
+    one cannot run on meta end to end), and a vision-language model's config (of Qwen2-VL's family: vision.py's
+    adapter reads it), so the placeholder-token bias runs too (its 2-D position ids are those of a text-only
+    micro-batch, which is all this batch holds)."""
 
     def __init__(self, vocab: int = 16, hidden: int = 8):
         super().__init__()
-        self.config = SimpleNamespace(vision_config={}, image_token_id=14, video_token_id=15)
+        self.config = SimpleNamespace(model_type="qwen2_vl", vision_config={}, image_token_id=14,
+                                      video_token_id=15)
         self.model, self.head = Decoder(vocab, hidden), torch.nn.Linear(hidden, vocab)
 
     def get_output_embeddings(self):

@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AlgorithmConfig, Config, LossInputs, POLICY_LOSSES, aggregate,
-                  backward_mini_batch, kl_penalty, token_rewards)
+from algorithms import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AlgorithmConfig, LossInputs, POLICY_LOSSES, aggregate,
+                        kl_penalty, token_rewards)
+from grpo import Config, backward_mini_batch
 from logprobs import batched_logprobs, make_batch, response_logprobs
 from plumbing.attention import PACKED_SDPA
 from plumbing.metrics import logprob_metrics

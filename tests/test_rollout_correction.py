@@ -1,5 +1,5 @@
-"""Rollout correction (grpo.py's ROLLOUT_CORRECTIONS): each mode's weights by hand on a holed batch, what the update
-does with them (a weight of 1 is no correction, a weight of 0 is a hole: out of the loss and its denominator, a
+"""Rollout correction (algorithms.py's ROLLOUT_CORRECTIONS): each mode's weights by hand on a holed batch, what the
+update does with them (a weight of 1 is no correction, a weight of 0 is a hole: out of the loss and its denominator, a
 weight scales its token's policy gradient and not the KL's), their metrics, the flags that cannot work together,
 and the pass-free mode (the engine's log-probs as the old ones) against the two-pass update."""
 
@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 from conftest import ENGINE_GAP, FAST, SIGNAL
-from grpo import POLICY_LOSSES, ROLLOUT_CORRECTIONS, AlgorithmConfig, Config, backward_mini_batch, rollout_weights
+from algorithms import POLICY_LOSSES, ROLLOUT_CORRECTIONS, AlgorithmConfig, rollout_weights
+from grpo import Config, backward_mini_batch
 from launches import launched_run, uses_runs
 from logprobs import batched_logprobs, make_batch
 from plumbing.attention import PACKED_SDPA
