@@ -1,13 +1,14 @@
-"""The algorithms: every advantage estimator, policy loss, KL estimator, rollout correction and loss aggregation of
-GRPO-style RL, each a short pure function of tensors with its formula and a worked example in its docstring, filed by
-name in one registry per kind; --algorithm.* picks them (AlgorithmConfig). grpo.py's step calls them in the order the
-section below says.
+"""The algorithms: every advantage estimator, policy loss, KL estimator, rollout correction and
+loss aggregation of GRPO-style RL, each a short pure function of tensors with its formula and a
+worked example in its docstring, filed by name in one registry per kind; --algorithm.* picks them
+(AlgorithmConfig). grpo.py's step calls them in the order the section below says.
 
-    torchrun --nproc_per_node 2 grpo.py dapo                      # a preset of configs/ sets a recipe
+    torchrun --nproc_per_node 2 grpo.py dapo                    # a preset of configs/ sets a recipe
     torchrun --nproc_per_node 2 grpo.py --algorithm.adv-estimator rloo --algorithm.loss-type cispo
 
-Adding an algorithm: one registered function here, one preset in configs/, one test against numbers computed by hand
-(tests/test_algorithms.py). Semantics follow EasyR1; deviations are stated where made and in docs/algorithms.md.
+Adding an algorithm: one registered function here, one preset in configs/, one test against
+numbers computed by hand (tests/test_algorithms.py). Semantics follow EasyR1; deviations are stated
+where made and in docs/algorithms.md.
 """
 
 import math
@@ -22,8 +23,8 @@ import torch.nn.functional as F
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator: a name in ADVANTAGE_ESTIMATORS (listed at the top of --help; presets pick the matching
-    loss)."""
+    """Advantage estimator: a name in ADVANTAGE_ESTIMATORS (listed at the top of --help; presets
+    pick the matching loss)."""
     loss_type: str = "ppo_clip"
     """Policy loss: a name in POLICY_LOSSES (listed at the top of --help)."""
     clip_ratio_low: float = 0.2
@@ -33,7 +34,8 @@ class AlgorithmConfig:
     clip_ratio_dual: float = 3.0
     """Dual clip: for negative advantages the loss is capped at -A * clip_ratio_dual."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses become one number (token-mean: over every valid token of the mini-batch, all ranks)."""
+    """How per-token losses become one number (token-mean: over every valid token of the mini-batch,
+    all ranks)."""
     token_sum_norm: float = 0.0
     """seq-mean-token-sum's constant normaliser (0: the max response length)."""
     sapo_tau_pos: float = 1.0
@@ -57,7 +59,8 @@ class AlgorithmConfig:
     kl_horizon: int = 10000
     """Adaptive KL: responses over which the coefficient may change by 20%."""
     online_filtering: bool = False
-    """Dynamic sampling (DAPO): train only on groups whose mean filter_key is strictly inside the bounds."""
+    """Dynamic sampling (DAPO): train only on groups whose mean filter_key is strictly inside the
+    bounds."""
     filter_key: str = "overall"
     """Reward key whose group mean decides which groups are kept."""
     filter_low: float = 0.01
@@ -65,38 +68,46 @@ class AlgorithmConfig:
     filter_high: float = 0.99
     """...and below this."""
     max_sampling_rounds: int = 10
-    """Dynamic sampling: rounds of generation allowed to fill the batch before the run stops with an error."""
+    """Dynamic sampling: rounds of generation allowed to fill the batch before the run stops with
+    an error."""
     rollout_correction: str = "none"
-    """Importance weights for the engine-trainer mismatch: a name in ROLLOUT_CORRECTIONS (none, token_truncate,
-    token_mask, sequence_truncate, sequence_mask, geometric_mask); any but none needs the old-log-prob pass."""
+    """Importance weights for the engine-trainer mismatch: a name in ROLLOUT_CORRECTIONS (none,
+    token_truncate, token_mask, sequence_truncate, sequence_mask, geometric_mask); any but none
+    needs the old-log-prob pass."""
     correction_high: float = 3.0
     """Rollout correction: the truncations' cap C, and the masks' upper bound of the weight."""
     correction_low: float = 0.0
     """Rollout correction: the masks' lower bound of the weight (0: none)."""
     old_logprobs: Literal["trainer", "engine"] = "trainer"
-    """The ratio's old log-probs: the trainer's (their own pass when the update takes several optimizer steps), or
-    the engine's (no pass: veRL's bypass mode; the clip then bounds pi / mu itself, no rollout correction)."""
+    """The ratio's old log-probs: the trainer's (a pass of their own when the update takes several
+    optimizer steps, or with KL in the reward or a rollout correction), or the engine's (no pass:
+    veRL's bypass mode; the clip then bounds pi / mu itself, no rollout correction)."""
 
 
 
 # ==================================================================================================
 # ALGORITHM: pure tensor functions, filed by name in one registry per kind; the config picks them.
-# B = responses on this rank, R = response tokens, mask[b, t] = 1 on valid tokens; the n responses to a
-# prompt are consecutive rows (rows g*n ... g*n + n - 1 are group g). The step calls, in this order:
-# token_rewards -> an ADVANTAGE_ESTIMATORS entry -> a ROLLOUT_CORRECTIONS entry -> for each micro-batch a
-# POLICY_LOSSES entry (times the correction's weights), the KL loss, aggregate. Adding an algorithm = one
-# registered function, one preset in configs/, one test.
+# B = responses on this rank, R = response tokens, mask[b, t] = 1 on valid tokens; the n responses
+# to a prompt are consecutive rows (rows g*n ... g*n + n - 1 are group g). The step calls, in this
+# order: keep_group while it collects rollouts (dynamic sampling), then token_rewards -> an
+# ADVANTAGE_ESTIMATORS entry -> a ROLLOUT_CORRECTIONS entry (rollout_weights; none: not called) ->
+# for each micro-batch a POLICY_LOSSES entry (times the correction's weights), the KL loss
+# (kl_penalty), aggregate. Adding an algorithm = one registered function, one preset in configs/,
+# one test.
 # ==================================================================================================
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}  # name -> fn(AdvantageInputs, AlgorithmConfig) -> advantages [B, R]
-POLICY_LOSSES: dict[str, Callable] = {}  # name -> fn(LossInputs, AlgorithmConfig) -> (loss [b, R], stats)
-ROLLOUT_CORRECTIONS: dict[str, Callable] = {}  # name -> fn(log_ratio, mask, AlgorithmConfig) -> weights [B, R]
+# name -> fn(AdvantageInputs, AlgorithmConfig) -> advantages [B, R]
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+# name -> fn(LossInputs, AlgorithmConfig) -> (loss [b, R], stats)
+POLICY_LOSSES: dict[str, Callable] = {}
+# name -> fn(log_ratio, mask, AlgorithmConfig) -> weights [B, R]
+ROLLOUT_CORRECTIONS: dict[str, Callable] = {}
 
 
 def register(registry: dict, name: str, **needs):
-    """Decorator: file a function in `registry` under `name`, the config value that selects it. `needs`: what it
-    asks of the step, kept as the function's attributes (an estimator's greedy_baseline=True: a greedy response
-    per prompt, whose score is the group's baseline)."""
+    """Decorator: file a function in `registry` under `name`, the config value that selects it.
+    `needs`: what it asks of the step, kept as the function's attributes (an estimator's
+    greedy_baseline=True: a greedy response per prompt, whose score is the group's baseline)."""
     def add(fn):
         fn.__dict__.update(needs)
         registry[name] = fn
@@ -107,7 +118,8 @@ def register(registry: dict, name: str, **needs):
 def keep_group(scores: list[dict[str, float]], key: str, low: float, high: float) -> bool:
     """Dynamic sampling (DAPO): keep a group only if low < mean of its `key` scores < high (strict).
 
-    All-right or all-wrong groups have zero GRPO advantage: they would cost compute and teach nothing.
+    All-right or all-wrong groups have zero GRPO advantage:
+    they would cost compute and teach nothing.
     """
     if key not in scores[0]:
         raise KeyError(f"dynamic sampling key {key!r} is not a reward key ({sorted(scores[0])}): "
@@ -135,26 +147,31 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
-def token_rewards(scores: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs,
-                  cfg: "AlgorithmConfig", kl_coef: float, sum_over_ranks=lambda x: x) -> tuple[torch.Tensor, float]:
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor,
+                  ref_logprobs, cfg: "AlgorithmConfig", kl_coef: float,
+                  sum_over_ranks=lambda x: x) -> tuple[torch.Tensor, float]:
     """Token rewards [B, R] and the KL-in-reward coefficient for the next step.
 
-    r_t = R_b (the response's score, scores [B]) on its last valid token (a mask may have holes: tokens the model
-    did not generate, such as a tool's output), 0 elsewhere; with KL in the reward
-    (use_kl_in_reward), minus beta * KL_t(old policy || reference) on every valid token. The coefficient
-    beta = kl_coef stays fixed, or (kl_type adaptive, Ziegler et al. 2019) moves towards kl_target:
-    beta' = beta * (1 + clip(KL / target - 1, -0.2, 0.2) * B / horizon), KL the mean per valid token and B
-    the responses of the step, over all ranks (`sum_over_ranks` all-reduces a tensor of sums).
-    Example: score 1, two valid tokens with k1 KL [0.2, 0.4], beta 0.1 -> [[-0.02, 0.96]]; adaptive with
-    target 0.1, horizon 10: KL 0.3 (error clipped to 0.2), B 1 -> beta' = 0.1 * (1 + 0.2 / 10) = 0.102.
+    r_t = R_b (the response's score, scores [B]) on its last valid token (a mask may have holes:
+    tokens the model did not generate, such as a tool's output), 0 elsewhere; with KL in the reward
+    (use_kl_in_reward), minus beta * KL_t(old policy || reference) on every valid token. The
+    coefficient beta = kl_coef stays fixed, or (kl_type adaptive, Ziegler et al. 2019) moves towards
+    kl_target: beta' = beta * (1 + clip(KL / target - 1, -0.2, 0.2) * B / horizon), KL the mean per
+    valid token and B the responses of the step, over all ranks (`sum_over_ranks` all-reduces a
+    tensor of sums).
+    Example: score 1, two valid tokens with k1 KL [0.2, 0.4], beta 0.1 -> [[-0.02, 0.96]]; adaptive
+    with target 0.1, horizon 10: KL 0.3 (error clipped to 0.2), B 1
+    -> beta' = 0.1 * (1 + 0.2 / 10) = 0.102.
     """
-    last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1, keepdim=True)  # [B, 1]
+    # [B, 1]: the position of each row's last valid token
+    last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1, keepdim=True)
     rewards = torch.zeros_like(mask).scatter(1, last, scores[:, None].to(mask.dtype))  # [B, R]
     if not cfg.use_kl_in_reward:
         return rewards, kl_coef
     kl = kl_penalty(old_logprobs, ref_logprobs, cfg.kl_penalty) * mask  # [B, R]
     if cfg.kl_type == "adaptive":
-        kl_sum, tokens, responses = sum_over_ranks(torch.stack([kl.sum(), mask.sum(), mask.new_tensor(mask.shape[0])]))
+        kl_sum, tokens, responses = sum_over_ranks(
+            torch.stack([kl.sum(), mask.sum(), mask.new_tensor(mask.shape[0])]))
         error = (kl_sum / tokens / cfg.kl_target - 1).clamp(-0.2, 0.2).item()
         return rewards - kl_coef * kl, kl_coef * (1 + error * responses.item() / cfg.kl_horizon)
     return rewards - kl_coef * kl, kl_coef
@@ -162,8 +179,8 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.
 
 @dataclass
 class RewardKL:
-    """The KL-in-reward coefficient beta, carried from step to step (token_rewards adapts it: adaptive KL) and in
-    checkpoints."""
+    """The KL-in-reward coefficient beta, carried from step to step (token_rewards adapts it:
+    adaptive KL) and in checkpoints."""
 
     coef: float
 
@@ -182,12 +199,13 @@ class AdvantageInputs:
     mask: torch.Tensor  # [B, R], 1 on valid response tokens
     n: int  # responses per prompt
     baselines: torch.Tensor | None = None  # [G], the score of each prompt's greedy response (ReMax)
-    sum_over_ranks: Callable = lambda x: x  # all-reduces a tensor of sums (REINFORCE++'s global whitening)
+    # all-reduces a tensor of sums (REINFORCE++'s global whitening)
+    sum_over_ranks: Callable = lambda x: x
 
     @property
     def scores(self) -> torch.Tensor:
-        """[G, n]: each response's outcome score, the sum of its token rewards (its reward, minus the KL when
-        KL is in the reward), one row per prompt."""
+        """[G, n]: each response's outcome score, the sum of its token rewards (its reward, minus
+        the KL when KL is in the reward), one row per prompt."""
         return self.token_rewards.sum(-1).view(-1, self.n)
 
     def per_token(self, advantages: torch.Tensor) -> torch.Tensor:
@@ -205,8 +223,8 @@ def _groups_of_two_or_more(x: AdvantageInputs, name: str) -> torch.Tensor:
 def grpo_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig", eps: float = 1e-6) -> torch.Tensor:
     """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), Bessel-corrected std within each group g.
 
-    A group of equal scores gets 0. Example: one group [1, 0, 0, 1]: mean 0.5, std 0.577 -> [0.866, -0.866,
-    -0.866, 0.866] on every valid token of each response.
+    A group of equal scores gets 0. Example: one group [1, 0, 0, 1]: mean 0.5, std 0.577
+    -> [0.866, -0.866, -0.866, 0.866] on every valid token of each response.
     """
     s = _groups_of_two_or_more(x, "GRPO")  # [G, n]
     return x.per_token((s - s.mean(-1, keepdim=True)) / (s.std(-1, keepdim=True) + eps))
@@ -223,8 +241,10 @@ def dr_grpo_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tens
 
 
 @register(ADVANTAGE_ESTIMATORS, "grpo_passk")
-def grpo_passk_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig", eps: float = 1e-6) -> torch.Tensor:
-    """GRPO pass@k: only the best response of a group learns, A = (R_max - R_second) / (std_g R + eps).
+def grpo_passk_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig",
+                          eps: float = 1e-6) -> torch.Tensor:
+    """GRPO pass@k: only the best response of a group learns,
+    A = (R_max - R_second) / (std_g R + eps).
 
     Example: [1, 0, 0, 0.5] -> best gets (1 - 0.5) / (0.479 + eps) = 1.044, the others 0.
     """
@@ -246,46 +266,52 @@ def rloo_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
 
 @register(ADVANTAGE_ESTIMATORS, "remax", greedy_baseline=True)
 def remax_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
-    """ReMax: A_i = R_i - b_g, b_g = the reward of the prompt's greedy response (an extra rollout, temperature 0).
+    """ReMax: A_i = R_i - b_g, b_g = the reward of the prompt's greedy response (an extra rollout,
+    temperature 0).
 
-    Example: scores [[1, 0]], the greedy answer scored 0.5 -> [[0.5, -0.5]]. The baseline is broadcast per
-    group ([G, 1] against [G, n]); the reference multiplies a [B] baseline by the [B, T] mask, which fails,
-    or silently mis-broadcasts when B equals T.
+    Example: scores [[1, 0]], the greedy answer scored 0.5 -> [[0.5, -0.5]]. The baseline is
+    broadcast per group ([G, 1] against [G, n]); the reference multiplies a [B] baseline by the
+    [B, T] mask, which fails, or silently mis-broadcasts when B equals T.
     """
     return x.per_token(x.scores - x.baselines[:, None])
 
 
-def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float, block: int = 64) -> torch.Tensor:
-    """G_t = r_t + gamma G_t', t' the next valid token (a masked token is neither rewarded nor discounted and takes
-    the next valid one's G): G_t = sum over valid s >= t of gamma^(valid tokens in [t, s)) r_s. Worked `block`
-    positions at a time from the end, not token by token (a per-token loop is R tiny kernels on a GPU): a block's
-    returns are its own rewards through a [B, block, block] discount matrix plus the return after it, discounted.
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
+                       block: int = 64) -> torch.Tensor:
+    """G_t = r_t + gamma G_t', t' the next valid token (a masked token is neither rewarded nor
+    discounted and takes the next valid one's G): G_t = sum over valid s >= t of
+    gamma^(valid tokens in [t, s)) r_s. Worked `block` positions at a time from the end, not token
+    by token (a per-token loop is R tiny kernels on a GPU): a block's returns are its own rewards
+    through a [B, block, block] discount matrix plus the return after it, discounted.
     """
     valid = mask > 0
     rewards = rewards * valid
     left = valid.flip(1).cumsum(1).flip(1).to(rewards.dtype)  # [B, R]: valid tokens at t and after
     upper = torch.ones(block, block, dtype=torch.bool, device=rewards.device).triu()  # s >= t
     returns = torch.zeros_like(rewards)
-    after, left_after = torch.zeros_like(rewards[:, :1]), torch.zeros_like(rewards[:, :1])  # [B, 1] at the block's end
+    # [B, 1] each, at the block's end
+    after, left_after = torch.zeros_like(rewards[:, :1]), torch.zeros_like(rewards[:, :1])
     for start in reversed(range(0, rewards.shape[1], block)):
         k, r = left[:, start:start + block], rewards[:, start:start + block]  # [B, C]
         steps = k[:, :, None] - k[:, None, :]  # [B, C, C]: valid tokens in [t, s) where s >= t
         discount = torch.where(upper[:k.shape[1], :k.shape[1]], gamma ** steps.clamp(min=0), 0.0)
-        returns[:, start:start + block] = (discount @ r[:, :, None]).squeeze(2) + gamma ** (k - left_after) * after
+        returns[:, start:start + block] = ((discount @ r[:, :, None]).squeeze(2)
+                                           + gamma ** (k - left_after) * after)
         after, left_after = returns[:, start:start + 1], k[:, :1]
     return returns
 
 
 @register(ADVANTAGE_ESTIMATORS, "reinforce_plus_plus")
 def reinforce_pp_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
-    """REINFORCE++: returns G_t = r_t + gamma G_t' over the valid tokens (t' the next valid token: a masked
-    token, padding or a hole such as a tool's output, is skipped, neither rewarded nor discounted), whitened over
-    every valid token of the whole batch (all ranks): A = (G - mean) / sqrt(var + 1e-8) (Bessel-corrected var,
-    as EasyR1).
+    """REINFORCE++: returns G_t = r_t + gamma G_t' over the valid tokens (t' the next valid token: a
+    masked token, padding or a hole such as a tool's output, is skipped, neither rewarded nor
+    discounted), whitened over every valid token of the whole batch (all ranks):
+    A = (G - mean) / sqrt(var + 1e-8) (Bessel-corrected var, as EasyR1).
 
-    Works on the token rewards themselves. Example, gamma 1: rewards [[0, 1], [0, 0]] -> returns [[1, 1],
-    [0, 0]] -> [[.866]*2, [-.866]*2]. With a hole, gamma 0.5, mask [1, 0, 1], rewards [0, 0, 1] -> returns
-    [0.5, -, 1]. Masked tokens get 0 (the reference leaves (0 - mean) / std on padding; no loss reads it).
+    Works on the token rewards themselves. Example, gamma 1: rewards [[0, 1], [0, 0]]
+    -> returns [[1, 1], [0, 0]] -> [[.866]*2, [-.866]*2]. With a hole, gamma 0.5, mask [1, 0, 1],
+    rewards [0, 0, 1] -> returns [0.5, -, 1]. Masked tokens get 0 (the reference leaves
+    (0 - mean) / std on padding; no loss reads it).
     """
     mask = x.mask
     returns = discounted_returns(x.token_rewards, mask, cfg.gamma)
@@ -295,14 +321,17 @@ def reinforce_pp_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch
     return (returns - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
-def clipped_ratio_loss(log_ratio, advantages, mask, clip_low: float, clip_high: float, clip_dual: float):
-    """PPO's asymmetric clip with dual clip, given the log importance ratio rho per token ([B, R] each).
+def clipped_ratio_loss(log_ratio, advantages, mask, clip_low: float, clip_high: float,
+                       clip_dual: float):
+    """PPO's asymmetric clip with dual clip, given the log importance ratio rho per token
+    ([B, R] each).
 
     r = exp(clamp(rho, -20, 20)); L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
-    where A < 0 also L = min(L, -A * clip_dual) (dual clip bounds the loss of very off-policy tokens).
-    Logged, as fractions of valid tokens: clipfrac_higher (A > 0, r above the clip), clipfrac_lower (A < 0,
-    r below it), clipfrac_dual (the dual clip binds). The reference's pg_clipfrac_higher is our higher +
-    lower (any PPO clip), its pg_clipfrac_lower our dual.
+    where A < 0 also L = min(L, -A * clip_dual) (dual clip bounds the loss of very off-policy
+    tokens).
+    Logged, as fractions of valid tokens: clipfrac_higher (A > 0, r above the clip),
+    clipfrac_lower (A < 0, r below it), clipfrac_dual (the dual clip binds). The reference's
+    pg_clipfrac_higher is our higher + lower (any PPO clip), its pg_clipfrac_lower our dual.
     """
     ratio = torch.exp(log_ratio.clamp(-20, 20))
     loss_unclipped = -advantages * ratio
@@ -321,14 +350,18 @@ def clipped_ratio_loss(log_ratio, advantages, mask, clip_low: float, clip_high: 
 
 @dataclass(kw_only=True)
 class LossInputs:
-    """What every policy loss receives, [b, R] each: a loss that needs one more input is one more field here.
-    The step multiplies every loss's per-token value by `rollout_weights` (ROLLOUT_CORRECTIONS) itself."""
+    """What every policy loss receives, [b, R] each: a loss that needs one more input is one more
+    field here. The step multiplies every loss's per-token value by `rollout_weights`
+    (ROLLOUT_CORRECTIONS) itself."""
 
     logprobs: torch.Tensor  # l: this forward's log-probs, with their gradient
-    old_logprobs: torch.Tensor  # l_old: of the policy that sampled (the trainer's, or the engine's), detached
+    # l_old: of the policy that sampled (the trainer's, or the engine's), detached
+    old_logprobs: torch.Tensor
     advantages: torch.Tensor  # A
-    mask: torch.Tensor  # 1 on the tokens the loss counts (holes and what the rollout correction masked: 0)
-    rollout_weights: torch.Tensor | None = None  # the rollout correction's weights (None: 1), never differentiated
+    # 1 on the tokens the loss counts (holes and what the rollout correction masked: 0)
+    mask: torch.Tensor
+    # the rollout correction's weights (None: 1), never differentiated
+    rollout_weights: torch.Tensor | None = None
 
     @property
     def log_ratio(self) -> torch.Tensor:
@@ -337,15 +370,16 @@ class LossInputs:
 
     def sequence_log_ratio(self) -> torch.Tensor:
         """s_i = mean over the valid tokens of sequence i of (l - l_old) -> [b, 1]."""
-        return (self.log_ratio * self.mask).sum(-1, keepdim=True) / self.mask.sum(-1, keepdim=True).clamp(min=1)
+        return ((self.log_ratio * self.mask).sum(-1, keepdim=True)
+                / self.mask.sum(-1, keepdim=True).clamp(min=1))
 
 
 @register(POLICY_LOSSES, "ppo_clip")
 def ppo_clip_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     """PPO / GRPO / DAPO: the clipped loss with the token ratio, rho = l - l_old.
 
-    The inputs are named fields, never positions: EasyR1's order is (old, new), ours would be (new, old), and a
-    positional call ported from there would silently invert the ratio.
+    The inputs are named fields, never positions: EasyR1's order is (old, new), ours would be
+    (new, old), and a positional call ported from there would silently invert the ratio.
     """
     return clipped_ratio_loss(x.log_ratio, x.advantages, x.mask,
                               cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
@@ -353,27 +387,31 @@ def ppo_clip_loss(x: LossInputs, cfg: "AlgorithmConfig"):
 
 @register(POLICY_LOSSES, "gspo")
 def gspo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
-    """GSPO: the clipped loss with one ratio per sequence, rho[i, t] = s_i (sequence-level clipping).
+    """GSPO: the clipped loss with one ratio per sequence, rho[i, t] = s_i (sequence-level
+    clipping).
 
-    Example: token log-ratios [0.1, 0.3] -> s = 0.2 for both tokens; the whole sequence is in or out of the clip.
+    Example: token log-ratios [0.1, 0.3] -> s = 0.2 for both tokens; the whole sequence is in or
+    out of the clip.
     """
     log_ratio = x.sequence_log_ratio().expand_as(x.logprobs)
-    return clipped_ratio_loss(log_ratio, x.advantages, x.mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
-                              cfg.clip_ratio_dual)
+    return clipped_ratio_loss(log_ratio, x.advantages, x.mask,
+                              cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
 
 
 @register(POLICY_LOSSES, "gspo_token")
 def gspo_token_loss(x: LossInputs, cfg: "AlgorithmConfig"):
-    """GSPO-token: rho[i, t] = sg(s_i) + l - sg(l): the value of the sequence ratio, a per-token gradient."""
+    """GSPO-token: rho[i, t] = sg(s_i) + l - sg(l): the value of the sequence ratio, a per-token
+    gradient."""
     log_ratio = x.sequence_log_ratio().detach() + x.logprobs - x.logprobs.detach()
-    return clipped_ratio_loss(log_ratio, x.advantages, x.mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
-                              cfg.clip_ratio_dual)
+    return clipped_ratio_loss(log_ratio, x.advantages, x.mask,
+                              cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
 
 
 @register(POLICY_LOSSES, "cispo")
 def cispo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
-    """CISPO: L = -A * sg(clip(r, 1 - clip_low, 1 + clip_high)) * l, REINFORCE weighted by a clipped,
-    detached importance ratio: clipped tokens still get a gradient (through l), only their weight is capped.
+    """CISPO: L = -A * sg(clip(r, 1 - clip_low, 1 + clip_high)) * l, REINFORCE weighted by a
+    clipped, detached importance ratio: clipped tokens still get a gradient (through l), only their
+    weight is capped.
 
     Example: A = 1, r = 6 with clip_high 4 -> weight 5, dL/dl = -5. The `cispo` preset follows the
     reference, clip_low 0 (weights at least 1); the MiniMax-M1 paper has no lower bound:
@@ -382,26 +420,30 @@ def cispo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     ratio = torch.exp(x.log_ratio.clamp(-20, 20))
     weight = ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high).detach()
     with torch.no_grad():
-        stats = {"actor/clipfrac_higher": ((ratio > 1 + cfg.clip_ratio_high) & x.mask.bool()).float(),
-                 "actor/clipfrac_lower": ((ratio < 1 - cfg.clip_ratio_low) & x.mask.bool()).float()}
+        stats = {
+            "actor/clipfrac_higher": ((ratio > 1 + cfg.clip_ratio_high) & x.mask.bool()).float(),
+            "actor/clipfrac_lower": ((ratio < 1 - cfg.clip_ratio_low) & x.mask.bool()).float(),
+        }
     return -x.advantages * weight * x.logprobs, stats
 
 
 @register(POLICY_LOSSES, "sapo")
 def sapo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     """SAPO: a soft gate instead of a hard clip, L = -A * (4 / tau) * sigmoid(tau * (r - 1)), tau =
-    sapo_tau_pos (1.0) where A >= 0 and sapo_tau_neg (1.05) where A < 0. At r = 1 the gradient is PPO's
-    (dL/dr = -A); far from 1 it fades smoothly instead of dropping to zero at a clip boundary.
+    sapo_tau_pos (1.0) where A >= 0 and sapo_tau_neg (1.05) where A < 0. At r = 1 the gradient is
+    PPO's (dL/dr = -A); far from 1 it fades smoothly instead of dropping to zero at a clip boundary.
     """
     ratio = torch.exp(x.log_ratio.clamp(-20, 20))
     tau = torch.where(x.advantages >= 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
     return -x.advantages * (4 / tau) * torch.sigmoid(tau * (ratio - 1)), {}
 
 
-# ---- rollout correction: the engine that sampled (mu) is never exactly the policy that trains (pi_old) --------
-# A mode maps rho = l_old - l_mu, each sampled token's log-ratio ([B, R], no gradient), to weights [B, R]; the step
-# multiplies each token's policy loss by its weight, and a weight of 0 takes the token out of the loss, its KL term
-# and the denominator (logprobs.Batch.loss_mask). C = --algorithm.correction-high, lo = --algorithm.correction-low.
+# ---- rollout correction --------------------------------------------------------------------------
+# The engine that sampled (mu) is never exactly the policy that trains (pi_old). A mode maps
+# rho = l_old - l_mu, each sampled token's log-ratio ([B, R], no gradient), to weights [B, R]; the
+# step multiplies each token's policy loss by its weight, and a weight of 0 takes the token out of
+# the loss, its KL term and the denominator (logprobs.Batch.loss_mask).
+# C = --algorithm.correction-high, lo = --algorithm.correction-low.
 
 def _within(log_weight: torch.Tensor, cfg: "AlgorithmConfig") -> torch.Tensor:
     """exp(log_weight) where it lies in [lo, C], 0 outside (compared in log space: no overflow)."""
@@ -423,41 +465,46 @@ def no_correction(rho, mask, cfg: "AlgorithmConfig"):
 
 @register(ROLLOUT_CORRECTIONS, "token_truncate", truncates=True)
 def token_truncate(rho, mask, cfg: "AlgorithmConfig"):
-    """Token TIS: w_t = min(exp(rho_t), C). Example, C 2: rho [0.1, 1.0, -0.5] -> [1.105, 2, 0.607]."""
+    """Token TIS: w_t = min(exp(rho_t), C).
+    Example, C 2: rho [0.1, 1.0, -0.5] -> [1.105, 2, 0.607]."""
     return rho.exp().clamp(max=cfg.correction_high)
 
 
 @register(ROLLOUT_CORRECTIONS, "token_mask")
 def token_mask(rho, mask, cfg: "AlgorithmConfig"):
-    """Token MIS: w_t = exp(rho_t) inside [lo, C], else 0. Example, [0.5, 2]: rho [0.1, 1.0, -1.0] -> [1.105, 0, 0]."""
+    """Token MIS: w_t = exp(rho_t) inside [lo, C], else 0.
+    Example, [0.5, 2]: rho [0.1, 1.0, -1.0] -> [1.105, 0, 0]."""
     return _within(rho, cfg)
 
 
 @register(ROLLOUT_CORRECTIONS, "sequence_truncate", truncates=True)
 def sequence_truncate(rho, mask, cfg: "AlgorithmConfig"):
-    """Sequence TIS: w = min(exp(sum_t rho_t), C) on every token. Example, C 2: rho [0.1, 0.2] -> 1.35 twice."""
+    """Sequence TIS: w = min(exp(sum_t rho_t), C) on every token.
+    Example, C 2: rho [0.1, 0.2] -> 1.35 twice."""
     return _sequence_sum(rho, mask).exp().clamp(max=cfg.correction_high)
 
 
 @register(ROLLOUT_CORRECTIONS, "sequence_mask")
 def sequence_mask(rho, mask, cfg: "AlgorithmConfig"):
-    """Sequence MIS (TRL's default, C 3): w = exp(sum_t rho_t) inside [lo, C], else 0 for the whole sequence.
+    """Sequence MIS (TRL's default, C 3): w = exp(sum_t rho_t) inside [lo, C], else 0 for the whole
+    sequence.
     Example, [0, 3]: rho [0.5, 0.7] -> exp(1.2) = 3.32 > 3: the sequence leaves the loss."""
     return _within(_sequence_sum(rho, mask), cfg)
 
 
 @register(ROLLOUT_CORRECTIONS, "geometric_mask")
 def geometric_mask(rho, mask, cfg: "AlgorithmConfig"):
-    """Geometric rejection: the sequence stays (w = 1) if the mean ratio exp(mean_t rho_t) is inside [lo, C], else
-    leaves (w = 0): a length-fair test (set tight bounds, e.g. 0.9 and 1.1). Example: rho [0.3, -0.1] -> exp(0.1) =
-    1.105, inside [0.9, 1.1]? no: 0."""
+    """Geometric rejection: the sequence stays (w = 1) if the mean ratio exp(mean_t rho_t) is inside
+    [lo, C], else leaves (w = 0): a length-fair test (set tight bounds, e.g. 0.9 and 1.1).
+    Example: rho [0.3, -0.1] -> exp(0.1) = 1.105, inside [0.9, 1.1]? no: 0."""
     mean = _sequence_sum(rho, mask) / mask.sum(-1, keepdim=True).clamp(min=1)
     return (_within(mean, cfg) > 0).to(rho.dtype)
 
 
 @torch.no_grad()
 def rollout_weights(old_logprobs, rollout_logprobs, mask, cfg: "AlgorithmConfig") -> torch.Tensor:
-    """The chosen mode's weights [B, R] for rho = l_old - l_mu: constants of the loss, never differentiated."""
+    """The chosen mode's weights [B, R] for rho = l_old - l_mu: constants of the loss, never
+    differentiated."""
     return ROLLOUT_CORRECTIONS[cfg.rollout_correction](old_logprobs - rollout_logprobs, mask, cfg)
 
 
@@ -466,10 +513,11 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, global_token
     """Sum this micro-batch's share of the mini-batch loss, normalised by counts over all ranks.
 
     token-mean: sum(L m) / tokens; seq-mean-token-mean: sum_i (sum_t L m / sum_t m) / sequences;
-    seq-mean-token-sum (Dr. GRPO): sum_i sum_t L m / (sequences * token_sum_norm), a constant normaliser
-    (the config's 0 means the max response length; the caller resolves it).
-    Summing the shares of every micro-batch on every rank gives the exact mini-batch value; the reference
-    averages each micro-batch's sequences and rescales, which is exact only when micro-batches are equal.
+    seq-mean-token-sum (Dr. GRPO): sum_i sum_t L m / (sequences * token_sum_norm), a constant
+    normaliser (the config's 0 means the max response length; the caller resolves it).
+    Summing the shares of every micro-batch on every rank gives the exact mini-batch value; the
+    reference averages each micro-batch's sequences and rescales, which is exact only when
+    micro-batches are equal.
     """
     if mode == "token-mean":
         return (loss * mask).sum() / global_tokens

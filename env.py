@@ -1,56 +1,69 @@
 """Environments: multi-turn episodes, in which something answers the model turn after turn.
 
-    torchrun --nproc_per_node 2 grpo.py toy_env                            # the built-in task (ToyVault, below)
-    ... --rollout.env my_env.py:Game --reward.function env                  # yours: one new file
-    ... --rollout.env textarena:GuessTheNumber-v0 --data.train-files seeds  # a TextArena game (TextArenaGame)
+    # the built-in task (ToyVault, below)
+    torchrun --nproc_per_node 2 grpo.py toy_env
+    # yours: one new file
+    ... --rollout.env my_env.py:Game --reward.function env
+    # a TextArena game (TextArenaGame)
+    ... --rollout.env textarena:GuessTheNumber-v0 --data.train-files seeds
 
-An environment is a class. Each episode gets an instance of its own, made with no arguments, and plays it so:
-    reset(**row) -> observation | None     the episode's dataset row (the columns reset names; all of them with
-                                           **kwargs); what it returns ends the prompt's user turn
+An environment is a class. Each episode gets an instance of its own, made with no arguments, and
+plays it so:
+    reset(**row) -> observation | None
+        the episode's dataset row (the columns reset names; all of them with **kwargs); what it
+        returns ends the prompt's user turn
     respond(turn: str) -> observation | None
-                                           the answer to each generated turn (its text); None: the episode is over
-or, without `respond`, TRL's `environment_factory` shape: its public methods (typed, their arguments documented) are
-tools the model calls (tools.py), and the episode is over at a turn that calls none; such a class runs unchanged.
-    reward, or get_reward()                what `--reward.function env` scores the episode with (rewards.py)
-An observation is text, a PIL image (vision-language models) or a list of them (one turn of parts), or, from
-respond, messages ({"role": ..., "content": ...} dicts).
+        the answer to each generated turn (its text); None: the episode is over
+or, without `respond`, TRL's `environment_factory` shape: its public methods (typed, their arguments
+documented) are tools the model calls (tools.py), and the episode is over at a turn that calls none;
+such a class runs unchanged.
+    reward, or get_reward()
+        what `--reward.function env` scores the episode with (rewards.py)
+An observation is text, a PIL image (vision-language models) or a list of them (one turn of parts),
+or, from respond, messages ({"role": ..., "content": ...} dicts).
 
-An episode in tokens, Qwen's format (`|` marks where the model's own tokens end and the given ones begin), reset having
-returned " Guess my number." and respond "Higher." to the first guess:
-    <|im_start|>user\\nLet's play.                                                  <- the prompt
-    | Guess my number.<|im_end|>\\n<|im_start|>assistant\\n                          <- given: reset's answer
-    | [10]<|im_end|>                                                               <- generated
-    | \\n<|im_start|>user\\nHigher.<|im_end|>\\n<|im_start|>assistant\\n               <- given: respond's answer
-    | [15]<|im_end|>                                                               <- generated; respond: None
-The trainer's response is everything after the prompt: the given turns are in it (the model reads them) but masked out
-of every loss, KL and metric (logprobs.Batch's holed response mask); the outcome reward is on the last generated token.
+An episode in tokens, Qwen's format (`|` marks where the model's own tokens end and the given ones
+begin), reset having returned " Guess my number." and respond "Higher." to the first guess:
+    <|im_start|>user\\nLet's play.                                       <- the prompt
+    | Guess my number.<|im_end|>\\n<|im_start|>assistant\\n              <- given: reset's answer
+    | [10]<|im_end|>                                                     <- generated
+    | \\n<|im_start|>user\\nHigher.<|im_end|>\\n<|im_start|>assistant\\n <- given: respond's answer
+    | [15]<|im_end|>                                                     <- generated; respond: None
+The trainer's response is everything after the prompt: the given turns are in it (the model reads
+them) but masked out of every loss, KL and metric (logprobs.Batch's holed response mask); the
+outcome reward is on the last generated token.
 
 Design decisions:
-- Token in, token out: the engine's own ids of every generated turn are kept, and only the environment's answer
-  (rendered on its own by the chat template, with the next assistant header) is tokenized and appended. Nothing
-  generated is ever re-tokenized: decoding a sampled turn and encoding it again need not give its tokens back (a sample
-  may split a word as the tokenizer never would: tests/test_real_tokenizer.py), and the trainer would then score a
-  sequence the engine never sampled. Each turn's prompt is the previous turn's prompt, the ids it generated and the
-  answer, so vLLM's prefix cache serves the re-prefill. An environment's text is tokenized as plain text: a control
-  token's text in it (`<|im_end|>`) is characters the model reads, not the end of its turn.
-- reset's answer completes the user's turn, as in TRL: an environment class's prompts end with the user's text (data.py
-  leaves the turn open), and each episode's response begins with the rest of that turn, given: reset's observation,
-  the template's end of the turn and the assistant header. So the n episodes of a prompt share one prompt whatever
-  each reset returns; an environment whose reset says nothing costs those few header tokens.
-- A respond-style environment sees every generated turn, the last one too: it keeps the score, and the last move can
-  decide the game. Its answer is shown only while the episode goes on. A tool call in a turn that cannot be followed
-  is not run (TRL's rule): no one would read its result.
-- Failures are the environment's, not the run's: a call that raises (sys.exit too), runs past its time limit, or
-  returns something that is no observation becomes `error: ...`, which the model reads, counted in `episode/errors`;
-  --rollout.max-env-errors of them end the episode, and so does a call that timed out (its environment is still busy
-  with it). An environment that never says done ends at --rollout.max-turns or the token budget.
-- All the calls of a turn, over all the episodes of the rank, run at once, each in a thread of its own within its time
-  limit (plumbing/calls.py): a slow environment costs a turn its time once, not once per episode.
-- Ranks take turns in lockstep: a turn is a collective for the hf engine (it gathers the FSDP2 weights) and for
-  tensor-parallel vLLM, so a rank whose episodes are over joins the others' turns with nothing to generate.
-- The whole episode fits --rollout.max-response-length tokens, generated and given (an image counts as its tokens);
-  each turn may generate what is left, at most --rollout.max-turn-tokens. An answer that does not fit ends the
-  episode (stop reason `length`) without being added.
+- Token in, token out: the engine's own ids of every generated turn are kept, and only the
+  environment's answer (rendered on its own by the chat template, with the next assistant header) is
+  tokenized and appended. Nothing generated is ever re-tokenized: decoding a sampled turn and
+  encoding it again need not give its tokens back (a sample may split a word as the tokenizer never
+  would: tests/test_real_tokenizer.py), and the trainer would then score a sequence the engine never
+  sampled. Each turn's prompt is the previous turn's prompt, the ids it generated and the answer, so
+  vLLM's prefix cache serves the re-prefill. An environment's text is tokenized as plain text: a
+  control token's text in it (`<|im_end|>`) is characters the model reads, not the end of its turn.
+- reset's answer completes the user's turn, as in TRL: an environment class's prompts end with the
+  user's text (data.py leaves the turn open), and each episode's response begins with the rest of
+  that turn, given: reset's observation, the template's end of the turn and the assistant header. So
+  the n episodes of a prompt share one prompt whatever each reset returns; an environment whose
+  reset says nothing costs those few header tokens.
+- A respond-style environment sees every generated turn, the last one too: it keeps the score, and
+  the last move can decide the game. Its answer is shown only while the episode goes on. A tool call
+  in a turn that cannot be followed is not run (TRL's rule): no one would read its result.
+- Failures are the environment's, not the run's: a call that raises (sys.exit too), runs past its
+  time limit, or returns something that is no observation becomes `error: ...`, which the model
+  reads, counted in `episode/errors`; --rollout.max-env-errors of them end the episode, and so does
+  a call that timed out (its environment is still busy with it). An environment that never says done
+  ends at --rollout.max-turns or the token budget.
+- All the calls of a turn, over all the episodes of the rank, run at once, each in a thread of its
+  own within its time limit (plumbing/calls.py): a slow environment costs a turn its time once, not
+  once per episode.
+- Ranks take turns in lockstep: a turn is a collective for the hf engine (it gathers the FSDP2
+  weights) and for tensor-parallel vLLM, so a rank whose episodes are over joins the others' turns
+  with nothing to generate.
+- The whole episode fits --rollout.max-response-length tokens, generated and given (an image counts
+  as its tokens); each turn may generate what is left, at most --rollout.max-turn-tokens. An answer
+  that does not fit ends the episode (stop reason `length`) without being added.
 """
 
 import copy
@@ -74,26 +87,29 @@ from rollout import Response, RolloutConfig, sampling
 from vision import image_tokens
 
 STOP_REASONS = ("done", "max_turns", "length", "errors")
-RESULT_CHARS_PER_TOKEN = 8  # an answer's text is cut at this many characters per token of the episode's budget
+# an answer's text is cut at this many characters per token of the episode's budget
+RESULT_CHARS_PER_TOKEN = 8
 
 
 @dataclass
 class Episode:
-    """What happened in one sampled episode: the reward function reads it (and its environment), the metrics count
-    it."""
+    """What happened in one sampled episode: the reward function reads it (and its environment), the
+    metrics count it."""
 
     messages: list[dict] = field(default_factory=list)
-    """The turns after the prompt, as the model read them: reset's answer ({"role": "user", ...}: the end of the
-    prompt's user turn), then each generated turn ({"role": "assistant", "content": text}, with its "tool_calls" in a
-    tool environment) and the environment's answer to it (user or tool messages), in order."""
+    """The turns after the prompt, as the model read them: reset's answer ({"role": "user", ...}:
+    the end of the prompt's user turn), then each generated turn ({"role": "assistant", "content":
+    text}, with its "tool_calls" in a tool environment) and the environment's answer to it (user or
+    tool messages), in order."""
     turns: int = 0
     calls: int = 0  # the environment's calls: reset and respond, or the tool calls
     errors: int = 0  # of which failed
     seconds: float = 0.0  # spent in the environment's calls, summed (they overlap in time)
     stop_reason: str = ""  # one of STOP_REASONS
     environment: Any = None
-    """The user's environment object (None for tool functions alone), which `--reward.function env` reads. It stays on
-    its rank: an episode sent to another rank (sequence parallelism) travels without it."""
+    """The user's environment object (None for tool functions alone), which `--reward.function env`
+    reads. It stays on its rank: an episode sent to another rank (sequence parallelism) travels
+    without it."""
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "environment": None}
@@ -107,11 +123,12 @@ class Reply:
     calls: int = 0
     errors: int = 0  # failed calls among them
     seconds: float = 0.0
-    busy: bool = False  # a call still running past its time limit: the environment can answer nothing more
+    # a call still running past its time limit: the environment can answer nothing more
+    busy: bool = False
 
     def failed(self, error: str, busy: bool = False) -> None:
-        """A failed call: counted, and its error in what the model reads (`busy`: the environment can answer nothing
-        more)."""
+        """A failed call: counted, and its error in what the model reads (`busy`: the environment
+        can answer nothing more)."""
         self.errors += 1
         self.busy |= busy
         if self.messages is not None:
@@ -119,44 +136,49 @@ class Reply:
 
 
 def observation_parts(value, max_chars: int, processor=None) -> list:
-    """An observation as parts, text and images: text, an image, or a list of them, the text cut to `max_chars`
-    characters in all (cut). Anything else raises ValueError, as does an image the model cannot read (check_images)."""
+    """An observation as parts, text and images: text, an image, or a list of them, the text cut to
+    `max_chars` characters in all (cut). Anything else raises ValueError, as does an image the model
+    cannot read (check_images)."""
     parts = value if isinstance(value, list) else [value]
     if not parts or not all(isinstance(part, (str, Image.Image)) for part in parts):
-        raise ValueError(f"returned {type(value).__name__} {value!r:.60}, which is no observation: give text, an "
-                         "image, a list of them, or messages")
+        raise ValueError(f"returned {type(value).__name__} {value!r:.60}, which is no observation: "
+                         "give text, an image, a list of them, or messages")
     check_images(parts, processor)
     return cut(parts, max_chars)
 
 
 def check_images(parts: list, processor) -> None:
-    """The images among `parts` are ones the model reads: `processor` is the model's (None: it reads text only), and
-    takes their size (Qwen-VL refuses an aspect ratio of 200 or more)."""
+    """The images among `parts` are ones the model reads: `processor` is the model's (None: it reads
+    text only), and takes their size (Qwen-VL refuses an aspect ratio of 200 or more)."""
     for image in (part for part in parts if isinstance(part, Image.Image)):
         if processor is None:
             raise ValueError("returned an image, but the model reads text only")
         try:
             image_tokens(processor, image.size)
         except ValueError as error:
-            raise ValueError(f"returned an image of {image.width} x {image.height} pixels, which the model cannot "
-                             f"read: {error}") from None
+            raise ValueError(f"returned an image of {image.width} x {image.height} pixels, which "
+                             f"the model cannot read: {error}") from None
 
 
 def observation_messages(value, max_chars: int, processor=None) -> list[dict]:
-    """An observation as the messages of a turn: messages as they are ({"role", "content"} dicts, their content read
-    as parts), anything else one user message of its parts (observation_parts)."""
+    """An observation as the messages of a turn: messages as they are ({"role", "content"} dicts,
+    their content read as parts), anything else one user message of its parts
+    (observation_parts)."""
     messages = [value] if isinstance(value, dict) else value
     if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
-        return [{"role": "user", "content": content(observation_parts(value, max_chars, processor))}]
+        return [{"role": "user",
+                 "content": content(observation_parts(value, max_chars, processor))}]
     for message in messages:
         if not isinstance(message.get("role"), str) or "content" not in message:
-            raise ValueError(f"returned the message {message!r:.60}; a message is {{'role': ..., 'content': ...}}")
-    return [{**m, "content": content(observation_parts(m["content"], max_chars, processor))} for m in messages]
+            raise ValueError(f"returned the message {message!r:.60}; a message is "
+                             f"{{'role': ..., 'content': ...}}")
+    return [{**m, "content": content(observation_parts(m["content"], max_chars, processor))}
+            for m in messages]
 
 
 def cut(parts: list, max_chars: int) -> list:
-    """The parts with their text cut to `max_chars` characters in all (0: as they are), the cut said where it is:
-    (["abcdef", "gh"], 4) -> ["abcd [... 4 more characters]"]."""
+    """The parts with their text cut to `max_chars` characters in all (0: as they are), the cut said
+    where it is: (["abcdef", "gh"], 4) -> ["abcd [... 4 more characters]"]."""
     total = sum(len(part) for part in parts if isinstance(part, str))
     if not max_chars or total <= max_chars:
         return parts
@@ -173,31 +195,34 @@ def cut(parts: list, max_chars: int) -> list:
 
 
 def content(parts: list) -> str | list[dict]:
-    """A message's content: its text, or (with an image) a list of parts the chat template renders in order."""
+    """A message's content: its text, or (with an image) a list of parts the chat template renders
+    in order."""
     if all(isinstance(part, str) for part in parts):
         return "\n".join(parts)
-    return [{"type": "image", "image": part} if isinstance(part, Image.Image) else {"type": "text", "text": part}
-            for part in parts]
+    return [{"type": "image", "image": part} if isinstance(part, Image.Image)
+            else {"type": "text", "text": part} for part in parts]
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The kinds of environment
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class Environment:
-    """One episode's environment as the loop plays it: the user's class (None for tool functions alone), whose instance
-    the episode's start makes, with the time limit of its calls. A turn is answered in two halves, so that the calls of
-    every episode run at once: `turn` says what to call, `answered` makes the reply of what the calls gave. The kinds:
-    RespondEnvironment (here) and tools.ToolEnvironment."""
+    """One episode's environment as the loop plays it: the user's class (None for tool functions
+    alone), whose instance the episode's start makes, with the time limit of its calls. A turn is
+    answered in two halves, so that the calls of every episode run at once: `turn` says what to
+    call, `answered` makes the reply of what the calls gave. The kinds: RespondEnvironment (here)
+    and tools.ToolEnvironment."""
 
     def __init__(self, cls, timeout: float, max_chars: int, processor=None):
         self.cls, self.timeout, self.max_chars, self.processor = cls, timeout, max_chars, processor
         self.name, self.instance, self.row = getattr(cls, "__name__", ""), None, {}
 
     def start(self, row: dict) -> list[Call]:
-        """The call that starts the episode with its dataset row: the instance made, and its reset called with the
-        row's columns it takes (copies: what it changes stays its own); none without a class."""
+        """The call that starts the episode with its dataset row: the instance made, and its reset
+        called with the row's columns it takes (copies: what it changes stays its own); none without
+        a class."""
         self.row = row
         if self.cls is None:
             return []
@@ -211,8 +236,8 @@ class Environment:
         return [Call(f"{self.name}.reset", begin, self.timeout)]
 
     def started(self, outcomes: list[Outcome]) -> Reply:
-        """reset's answer: the end of the prompt's user turn (at most one user message), or an error said there. An
-        instance that could not be made can answer nothing more."""
+        """reset's answer: the end of the prompt's user turn (at most one user message), or an error
+        said there. An instance that could not be made can answer nothing more."""
         reply = Reply([], calls=len(outcomes), seconds=sum(o.seconds for o in outcomes))
         for outcome in outcomes:
             if not outcome.error and outcome.value is not None:
@@ -226,8 +251,9 @@ class Environment:
         return reply
 
     def turn(self, text: str, final: bool, images: list) -> tuple[dict, list[Call]]:
-        """The generated turn `text` as a message of the episode, and the calls that answer it (`final`: the episode
-        ends with this turn whatever the answer; `images`: the episode's so far, the prompt's then the given ones)."""
+        """The generated turn `text` as a message of the episode, and the calls that answer it
+        (`final`: the episode ends with this turn whatever the answer; `images`: the episode's so
+        far, the prompt's then the given ones)."""
         raise NotImplementedError
 
     def answered(self, outcomes: list[Outcome]) -> Reply:
@@ -236,8 +262,8 @@ class Environment:
 
 
 class RespondEnvironment(Environment):
-    """A class with `respond`: every generated turn reaches it (the last one too), and its answer is the next turn the
-    model reads; None ends the episode."""
+    """A class with `respond`: every generated turn reaches it (the last one too), and its answer is
+    the next turn the model reads; None ends the episode."""
 
     def turn(self, text: str, final: bool, images: list) -> tuple[dict, list[Call]]:
         return {"role": "assistant", "content": text}, [
@@ -259,7 +285,8 @@ class RespondEnvironment(Environment):
 
 
 def reset_arguments(reset: Callable, row: dict) -> dict:
-    """The row's columns that `reset` takes: those it names, or all of them with **kwargs (TRL passes the row)."""
+    """The row's columns that `reset` takes: those it names, or all of them with **kwargs (TRL
+    passes the row)."""
     parameters = inspect.signature(reset).parameters
     if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
         return dict(row)
@@ -267,46 +294,51 @@ def reset_arguments(reset: Callable, row: dict) -> dict:
 
 
 def check_environment(cls, columns: list[str], spec: str) -> None:
-    """At start-up: `cls` makes instances with no arguments, and its reset finds every argument it needs among the
-    dataset's `columns`; a failure is one line naming --rollout.env."""
+    """At start-up: `cls` makes instances with no arguments, and its reset finds every argument it
+    needs among the dataset's `columns`; a failure is one line naming --rollout.env."""
     if not inspect.isclass(cls):
         raise ValueError(f"--rollout.env {spec!r} is a {type(cls).__name__}, not a class")
     try:
         inspect.signature(cls).bind()
     except TypeError as error:
-        raise ValueError(f"--rollout.env {spec!r}: an environment is made with no arguments, one per episode ({error})"
-                         ) from None
+        raise ValueError(f"--rollout.env {spec!r}: an environment is made with no arguments, one "
+                         f"per episode ({error})") from None
     reset = getattr(cls, "reset", None)
     if reset is not None:
         parameters = list(inspect.signature(reset).parameters.values())[1:]  # after self
-        missing = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
-                                                                                     p.KEYWORD_ONLY)
+        missing = [p.name for p in parameters
+                   if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                    and p.name not in columns]
         if missing:
-            raise ValueError(f"--rollout.env {spec!r}: {cls.__name__}.reset takes {missing}, which the dataset's rows "
-                             f"do not hold (their columns: {columns}); give them a default or add the columns")
+            raise ValueError(f"--rollout.env {spec!r}: {cls.__name__}.reset takes {missing}, which "
+                             f"the dataset's rows do not hold (their columns: {columns}); give "
+                             "them a default or add the columns")
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Rendering: the environment's answers as the model's chat template writes them
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-CONVERSATION = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]  # what an answer follows
+# what an answer follows
+CONVERSATION = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
 TEXT = "\ue000{}\ue001"  # marks an environment's text in a rendering, to tokenize it as plain text
 
 
 class Renderer:
-    """The token ids of what an environment says, as the chat template writes it (the tools' schemas too): an answer
-    after a generated turn (`after_turn`), or reset's, which ends the prompt's user turn (`ending_prompt`)."""
+    """The token ids of what an environment says, as the chat template writes it (the tools' schemas
+    too): an answer after a generated turn (`after_turn`), or reset's, which ends the prompt's user
+    turn (`ending_prompt`)."""
 
     def __init__(self, tokenizer, processor, schemas: list[dict] | None):
         self.tokenizer, self.processor, self.schemas = tokenizer, processor, schemas or None
         self.head = self.render(CONVERSATION, generation_prompt=False)
         end = tokenizer.eos_token
         if end not in self.head:
-            raise ValueError(f"the chat template does not close an assistant turn with the end token {end!r}; a "
-                             "multi-turn rollout needs it to tell where a turn ends")
-        self.after_end = self.head[self.head.rindex(end) + len(end):]  # the template's text after it (Qwen's: \n)
+            raise ValueError(f"the chat template does not close an assistant turn with the end "
+                             f"token {end!r}; a multi-turn rollout needs it to tell where a "
+                             "turn ends")
+        # the template's text after it (Qwen's: \n)
+        self.after_end = self.head[self.head.rindex(end) + len(end):]
 
     def render(self, messages: list[dict], generation_prompt: bool, tools: bool = True) -> str:
         renderer = self.processor if self.processor is not None else self.tokenizer
@@ -314,20 +346,21 @@ class Renderer:
                                             add_generation_prompt=generation_prompt, tokenize=False)
 
     def after_turn(self, messages: list[dict], ended: bool) -> tuple[list[int], list]:
-        """The ids and images of an answer (`messages`) and the next assistant header, after a generated turn; the
-        template's end token first when the turn did not end with it (cut short, or ended by another end token:
-        Qwen's `<|endoftext|>`)."""
+        """The ids and images of an answer (`messages`) and the next assistant header, after a
+        generated turn; the template's end token first when the turn did not end with it (cut short,
+        or ended by another end token: Qwen's `<|endoftext|>`)."""
         marked, texts, images = self.marked(messages)
         text = self.render(CONVERSATION + marked, generation_prompt=True)
         if not text.startswith(self.head):
-            raise ValueError("the chat template renders the start of a conversation differently once an answer "
-                             "follows, so an answer cannot be rendered on its own")
+            raise ValueError("the chat template renders the start of a conversation differently "
+                             "once an answer follows, so an answer cannot be rendered on its own")
         start = ("" if ended else self.tokenizer.eos_token) + self.after_end
         return self.ids(start + text[len(self.head):], texts), images
 
     def ending_prompt(self, messages: list[dict]) -> tuple[list[int], list]:
-        """The ids and images that end the prompt's user turn (data.py leaves it open): reset's answer (`messages`, at
-        most one user message), the end of the turn and the assistant header."""
+        """The ids and images that end the prompt's user turn (data.py leaves it open): reset's
+        answer (`messages`, at most one user message), the end of the turn and the assistant
+        header."""
         marked, texts, images = self.marked(messages)
         parts = marked[0]["content"] if marked else ""
         if isinstance(parts, str):
@@ -338,7 +371,8 @@ class Renderer:
         return self.ids(text[text.index(OPEN_TURN) + len(OPEN_TURN):], texts), images
 
     def marked(self, messages: list[dict]) -> tuple[list[dict], list[str], list]:
-        """The messages with each text replaced by its TEXT mark, the texts, and the images in order."""
+        """The messages with each text replaced by its TEXT mark, the texts, and the images in
+        order."""
         texts, images = [], []
 
         def mark(text: str) -> str:
@@ -351,17 +385,19 @@ class Renderer:
             if isinstance(value, str):
                 value = mark(value)
             else:
-                value = [{**part, "text": mark(part["text"])} if part["type"] == "text" else part for part in value]
+                value = [{**part, "text": mark(part["text"])} if part["type"] == "text" else part
+                         for part in value]
                 images += [part["image"] for part in message["content"] if part["type"] == "image"]
             marked.append({**message, "content": value})
         return marked, texts, images
 
     def ids(self, text: str, texts: list[str]) -> list[int]:
-        """The ids of a rendering whose marks stand for `texts`: the template's own text tokenized as such, each text
-        as plain text (split_special_tokens)."""
+        """The ids of a rendering whose marks stand for `texts`: the template's own text tokenized
+        as such, each text as plain text (split_special_tokens)."""
         pieces = re.split("\ue000(\\d+)\ue001", text)
         if pieces[1::2] != [str(i) for i in range(len(texts))]:
-            raise ValueError("the chat template does not show an environment's text once, as given, in its turn")
+            raise ValueError("the chat template does not show an environment's text once, as "
+                             "given, in its turn")
         ids = []
         for i, piece in enumerate(pieces):
             plain = i % 2 == 1
@@ -370,19 +406,21 @@ class Renderer:
         return ids
 
     def ignores_tools(self) -> bool:
-        """The chat template renders a conversation the same with the tools' schemas as without them."""
-        return bool(self.schemas) and self.render(CONVERSATION[:1], True) == self.render(CONVERSATION[:1], True,
-                                                                                        tools=False)
+        """The chat template renders a conversation the same with the tools' schemas as without
+        them."""
+        return bool(self.schemas) and (self.render(CONVERSATION[:1], True)
+                                       == self.render(CONVERSATION[:1], True, tools=False))
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The episode loop
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Play:
-    """One episode being played: its prompt (a dataset item), its environment, and its response so far."""
+    """One episode being played: its prompt (a dataset item), its environment, and its response so
+    far."""
 
     item: dict
     environment: Environment
@@ -391,40 +429,45 @@ class Play:
 
 
 class EpisodeRollout:
-    """A rollout engine (rollout.py) whose `generate` plays whole episodes: generate a turn, hand it to the episode's
-    environment, append its answer, generate again, until the environment says done, --rollout.max-turns turns, the
-    token budget, or --rollout.max-env-errors failed calls. The engine's contract: one list of n Responses per prompt,
-    here each with its `mask` (0 on what the environment said), its `images` (the environment's) and its `episode`.
-    Weight syncs, sleep and shutdown are the engine's own.
+    """A rollout engine (rollout.py) whose `generate` plays whole episodes: generate a turn, hand it
+    to the episode's environment, append its answer, generate again, until the environment says
+    done, --rollout.max-turns turns, the token budget, or --rollout.max-env-errors failed calls. The
+    engine's contract: one list of n Responses per prompt, here each with its `mask` (0 on what the
+    environment said), its `images` (the environment's) and its `episode`. Weight syncs, sleep and
+    shutdown are the engine's own.
 
-    `environments()` makes one episode's Environment; `opens_prompt`: the prompts end with the user's text (an
-    environment class's: reset's answer ends the turn); `schemas`: the tools' JSON schemas the prompts list.
+    `environments()` makes one episode's Environment; `opens_prompt`: the prompts end with the
+    user's text (an environment class's: reset's answer ends the turn); `schemas`: the tools' JSON
+    schemas the prompts list.
     """
 
-    def __init__(self, engine, cfg: RolloutConfig, environments: Callable[[], Environment], tokenizer, processor,
-                 device: torch.device, opens_prompt: bool = False, schemas: list[dict] | None = None):
+    def __init__(self, engine, cfg: RolloutConfig, environments: Callable[[], Environment],
+                 tokenizer, processor, device: torch.device, opens_prompt: bool = False,
+                 schemas: list[dict] | None = None):
         self.engine, self.cfg, self.environments, self.device = engine, cfg, environments, device
         self.tokenizer, self.processor, self.opens_prompt = tokenizer, processor, opens_prompt
         self.render = Renderer(tokenizer, processor, schemas)
         if self.render.ignores_tools() and first_to_report("template ignores tools"):
-            print(f"warning: the chat template ignores `tools`, so the model is not shown the tools "
-                  f"({', '.join(s['function']['name'] for s in schemas)}) and knows them only from the prompt",
-                  file=sys.stderr, flush=True)
+            print("warning: the chat template ignores `tools`, so the model is not shown the "
+                  f"tools ({', '.join(s['function']['name'] for s in schemas)}) and knows them "
+                  "only from the prompt", file=sys.stderr, flush=True)
         ending = len(self.render.ending_prompt([])[0]) if opens_prompt else 0
         if ending >= cfg.max_response_length:
-            raise ValueError(f"--rollout.max-response-length {cfg.max_response_length} leaves no token to generate "
-                             f"after the {ending} that end the prompt's user turn (an environment's episode begins "
-                             "with them): raise it")
+            raise ValueError(f"--rollout.max-response-length {cfg.max_response_length} leaves no "
+                             f"token to generate after the {ending} that end the prompt's user "
+                             "turn (an environment's episode begins with them): raise it")
 
-    def __getattr__(self, name: str):  # weights_version, sync_weights, sleep, shutdown: the engine's
+    # weights_version, sync_weights, sleep, shutdown: the engine's
+    def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
     def generate(self, prompts: list[dict], version: int, validation: bool = False,
                  greedy: bool = False) -> list[list[Response]]:
-        """Episodes for `prompts` (dataset items: prompt_ids, images, videos, row): n per prompt, as the engine
-        samples."""
+        """Episodes for `prompts` (dataset items: prompt_ids, images, videos, row): n per prompt, as
+        the engine samples."""
         n = sampling(self.cfg, validation, greedy)[0]
-        plays = [Play(item, self.environments(), Response([], [], False, mask=[], episode=Episode()))
+        plays = [Play(item, self.environments(),
+                      Response([], [], False, mask=[], episode=Episode()))
                  for item in prompts for _ in range(n)]
         self.start(plays)
         live, generate = plays, lambda contexts, count, limits: self.engine.generate(
@@ -435,17 +478,19 @@ class EpisodeRollout:
             outcomes = iter(run_at_once([call for play_calls in calls for call in play_calls]))
             for play, play_calls in zip(live, calls):
                 if not play.response.episode.stop_reason:
-                    self.add_answer(play, play.environment.answered([next(outcomes) for _ in play_calls]))
+                    self.add_answer(play, play.environment.answered(
+                        [next(outcomes) for _ in play_calls]))
             live = [play for play in live if not play.response.episode.stop_reason]
-            if all_reduce({"live": len(live)}, self.device, torch.distributed.ReduceOp.MAX)["live"] == 0:
+            if all_reduce({"live": len(live)}, self.device,
+                          torch.distributed.ReduceOp.MAX)["live"] == 0:
                 break  # every rank stops at once: for some engines a turn is a collective
             turns = [group[0] for group in generate([self.context(play) for play in live], 1,
                                                     [self.left(play) for play in live])]
         return [[play.response for play in plays[i * n:(i + 1) * n]] for i in range(len(prompts))]
 
     def start(self, plays: list[Play]) -> None:
-        """Every episode's start at once (an environment class's reset); where the prompt is left open, its answer, the
-        end of the prompt's user turn, begins the response."""
+        """Every episode's start at once (an environment class's reset); where the prompt is left
+        open, its answer, the end of the prompt's user turn, begins the response."""
         calls = [play.environment.start(play.item["row"]) for play in plays]
         outcomes = iter(run_at_once([call for play_calls in calls for call in play_calls]))
         for play, play_calls in zip(plays, calls):
@@ -455,7 +500,8 @@ class EpisodeRollout:
             if not self.opens_prompt:
                 continue
             ids, images = self.render.ending_prompt(reply.messages)
-            if self.length(play.response, ids, images) >= self.cfg.max_response_length:  # no room to generate
+            # no room to generate
+            if self.length(play.response, ids, images) >= self.cfg.max_response_length:
                 reply.messages = []
                 play.response.episode.errors += 1
                 ids, images = self.render.ending_prompt([])
@@ -464,19 +510,23 @@ class EpisodeRollout:
             if reply.busy:  # its first turn is generated, and then it ends
                 play.response.episode.stop_reason = "errors"
 
-    def first_turns(self, plays: list[Play], prompts: list[dict], n: int, generate: Callable) -> list[Response]:
-        """The first turn of every episode: n samples of each prompt in one request where the episodes of a prompt
-        begin alike (always, when the prompt is not left open), else a request per episode."""
+    def first_turns(self, plays: list[Play], prompts: list[dict], n: int,
+                    generate: Callable) -> list[Response]:
+        """The first turn of every episode: n samples of each prompt in one request where the
+        episodes of a prompt begin alike (always, when the prompt is not left open), else a request
+        per episode."""
         groups = [plays[i * n:(i + 1) * n] for i in range(len(prompts))]
-        if all(p.response.token_ids == group[0].response.token_ids and not p.response.images for group in groups
-               for p in group):
+        if all(p.response.token_ids == group[0].response.token_ids and not p.response.images
+               for group in groups for p in group):
             contexts = [self.context(group[0]) for group in groups]
-            return [turn for group in generate(contexts, None, [self.left(g[0]) for g in groups]) for turn in group]
-        return [group[0] for group in generate([self.context(p) for p in plays], 1, [self.left(p) for p in plays])]
+            return [turn for group in generate(contexts, None, [self.left(g[0]) for g in groups])
+                    for turn in group]
+        return [group[0] for group in generate([self.context(p) for p in plays], 1,
+                                               [self.left(p) for p in plays])]
 
     def add_turn(self, play: Play, turn: Response, number: int) -> list[Call]:
-        """Append generated turn `number` to the episode; the calls that answer it (none when its environment can
-        answer nothing more)."""
+        """Append generated turn `number` to the episode; the calls that answer it (none when its
+        environment can answer nothing more)."""
         response, episode = play.response, play.response.episode
         response.token_ids += turn.token_ids
         response.logprobs += turn.logprobs
@@ -484,7 +534,8 @@ class EpisodeRollout:
         response.truncated = turn.truncated
         episode.turns = number
         text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
-        final = number == self.cfg.max_turns or self.length(response) >= self.cfg.max_response_length
+        final = (number == self.cfg.max_turns
+                 or self.length(response) >= self.cfg.max_response_length)
         message, calls = play.environment.turn(text, final, play.item["images"] + response.images)
         episode.messages.append(message)
         if episode.stop_reason:  # ended at its start (its environment could answer nothing more)
@@ -494,7 +545,8 @@ class EpisodeRollout:
         return calls
 
     def add_answer(self, play: Play, reply: Reply) -> None:
-        """The environment's reply: the episode ends (its reason), or the answer is appended, given."""
+        """The environment's reply: the episode ends (its reason), or the answer is appended,
+        given."""
         response, episode, cfg = play.response, play.response.episode, self.cfg
         self.count(episode, reply)
         if reply.messages is None:
@@ -504,9 +556,10 @@ class EpisodeRollout:
         elif play.final:
             episode.stop_reason = "max_turns" if episode.turns == cfg.max_turns else "length"
         else:
-            ids, images = self.render.after_turn(reply.messages,
-                                                 ended=response.token_ids[-1:] == [self.tokenizer.eos_token_id])
-            if self.length(response, ids, images) >= cfg.max_response_length:  # no room for one more token
+            ids, images = self.render.after_turn(
+                reply.messages, ended=response.token_ids[-1:] == [self.tokenizer.eos_token_id])
+            # no room for one more token
+            if self.length(response, ids, images) >= cfg.max_response_length:
                 episode.stop_reason = "length"
             else:
                 self.append_given(response, ids, images)
@@ -525,49 +578,59 @@ class EpisodeRollout:
         response.images += images
 
     def context(self, play: Play) -> dict:
-        """The prompt of the episode's next turn: its prompt and its response so far, with their images."""
+        """The prompt of the episode's next turn: its prompt and its response so far, with their
+        images."""
         return {"prompt_ids": play.item["prompt_ids"] + play.response.token_ids,
                 "images": play.item["images"] + play.response.images, "videos": play.item["videos"]}
 
     def cap(self) -> int:
-        return min(self.cfg.max_turn_tokens or self.cfg.max_response_length, self.cfg.max_response_length)
+        return min(self.cfg.max_turn_tokens or self.cfg.max_response_length,
+                   self.cfg.max_response_length)
 
     def left(self, play: Play) -> int:
-        """Tokens the episode's next turn may generate: what is left of the budget, at most the turn cap."""
+        """Tokens the episode's next turn may generate: what is left of the budget, at most the turn
+        cap."""
         return min(self.cap(), self.cfg.max_response_length - self.length(play.response))
 
     def length(self, response: Response, ids: list[int] = (), images: list = ()) -> int:
-        """The response's length in the engine's tokens (each image counts as the tokens it expands into), with `ids`
-        and `images` appended."""
+        """The response's length in the engine's tokens (each image counts as the tokens it expands
+        into), with `ids` and `images` appended."""
         pictures = [*response.images, *images]
-        return len(response.token_ids) + len(ids) + sum(image_tokens(self.processor, i.size) - 1 for i in pictures)
+        return (len(response.token_ids) + len(ids)
+                + sum(image_tokens(self.processor, i.size) - 1 for i in pictures))
 
 
 def episode_metrics(responses: list[Response], device: torch.device) -> dict[str, torch.Tensor]:
-    """Per-episode means over all ranks: turns, the environment's calls, failed calls, seconds in them, the share of
-    response tokens masked out (given, not generated), and the share of each stop reason."""
+    """Per-episode means over all ranks: turns, the environment's calls, failed calls, seconds in
+    them, the share of response tokens masked out (given, not generated), and the share of each stop
+    reason."""
     episodes = [r.episode for r in responses]
-    sums = {"count": len(episodes), "turns": sum(e.turns for e in episodes), "calls": sum(e.calls for e in episodes),
-            "errors": sum(e.errors for e in episodes), "env_seconds": sum(e.seconds for e in episodes),
-            "tokens": sum(len(r.mask) for r in responses), "masked": sum(r.mask.count(0) for r in responses),
-            **{f"stop_{reason}": sum(e.stop_reason == reason for e in episodes) for reason in STOP_REASONS}}
+    sums = {"count": len(episodes), "turns": sum(e.turns for e in episodes),
+            "calls": sum(e.calls for e in episodes), "errors": sum(e.errors for e in episodes),
+            "env_seconds": sum(e.seconds for e in episodes),
+            "tokens": sum(len(r.mask) for r in responses),
+            "masked": sum(r.mask.count(0) for r in responses),
+            **{f"stop_{reason}": sum(e.stop_reason == reason for e in episodes)
+               for reason in STOP_REASONS}}
     totals = all_reduce(sums, device)
     count = totals.pop("count").clamp(min=1)
     masked = totals.pop("masked") / totals.pop("tokens").clamp(min=1)
-    return {"episode/masked_share": masked, **{f"episode/{key}": value / count for key, value in totals.items()}}
+    return {"episode/masked_share": masked,
+            **{f"episode/{key}": value / count for key, value in totals.items()}}
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Built-in environments
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class ToyVault:
-    """The built-in environment task (`grpo.py toy_env`, rows data.toy_env_rows): the vault opens to a digit that only
-    the environment knows. Whatever the model says first, the vault answers with a clue, 7 digits of which 4 are the
-    code (the row's `clue`); the model opens it by answering the code, alone, in its next turn. The prompt says
-    nothing of the code, so the answer needs the environment's. It keeps the score (`reward`):
-    0.5 for the right digit first, 0.5 more for stopping right there, as the default job's task.
+    """The built-in environment task (`grpo.py toy_env`, rows data.toy_env_rows): the vault opens to
+    a digit that only the environment knows. Whatever the model says first, the vault answers with a
+    clue, 7 digits of which 4 are the code (the row's `clue`); the model opens it by answering the
+    code, alone, in its next turn. The prompt says nothing of the code, so the answer needs the
+    environment's. It keeps the score (`reward`): 0.5 for the right digit first, 0.5 more for
+    stopping right there, as the default job's task.
 
     code 5, clue "5255275": turns "hi", then "5" -> reward 1.0; "55" -> 0.5; "2" -> 0.0.
     """
@@ -586,12 +649,13 @@ class ToyVault:
 
 
 class TextArenaGame:
-    """A single-player game of TextArena (MIT; https://github.com/LeonGuertler/TextArena) as an environment:
-    `--rollout.env textarena:GAME` (GAME a registered id such as GuessTheNumber-v0; one that downloads nothing:
-    Wordle and the word games fetch word lists). reset(seed) starts the game (its `-raw` version, whose observations
-    come one message at a time) and returns its first observation; respond(turn) plays the turn as the game's action
-    and returns what the game says to it, or None when the game is over, its reward (0 to 1: 1 a win) in `reward`.
-    TextArena draws from Python's global random (seeded at reset), so its calls take turns under one lock: a game's
+    """A single-player game of TextArena (MIT; https://github.com/LeonGuertler/TextArena) as an
+    environment: `--rollout.env textarena:GAME` (GAME a registered id such as GuessTheNumber-v0; one
+    that downloads nothing: Wordle and the word games fetch word lists). reset(seed) starts the game
+    (its `-raw` version, whose observations come one message at a time) and returns its first
+    observation; respond(turn) plays the turn as the game's action and returns what the game says to
+    it, or None when the game is over, its reward (0 to 1: 1 a win) in `reward`. TextArena draws
+    from Python's global random (seeded at reset), so its calls take turns under one lock: a game's
     turn is microseconds, and the same seed gives the same game whatever runs beside it.
     """
 
@@ -616,7 +680,8 @@ class TextArenaGame:
             return self.observe()
 
     def observe(self) -> str:
-        """The game's messages to the player since the last turn (not the player's own action, which it echoes)."""
+        """The game's messages to the player since the last turn (not the player's own action, which
+        it echoes)."""
         player, messages = self.env.get_observation()
         return "\n".join(message.strip() for sender, message, _ in messages if sender != player)
 
@@ -626,8 +691,9 @@ ENVIRONMENTS = {"toy": ToyVault}
 
 @dataclass
 class Episodes:
-    """What plays each sample as a multi-turn episode: the factory of one episode's environment, the tools' schemas the
-    prompts list, and whether the prompts leave the user's turn to the environment's reset to end."""
+    """What plays each sample as a multi-turn episode: the factory of one episode's environment, the
+    tools' schemas the prompts list, and whether the prompts leave the user's turn to the
+    environment's reset to end."""
 
     environment: Callable[[], Environment]
     schemas: list[dict]
@@ -635,43 +701,50 @@ class Episodes:
 
 
 def episodes_of(cfg: RolloutConfig, tool_cfg, processor) -> Episodes | None:
-    """The environment --rollout.env names, a class with `respond` (RespondEnvironment) or TRL's shape (its public
-    methods tools, beside --tools.functions: tools.ToolEnvironment); or the tool functions alone; None: one turn a
-    sample. `tool_cfg`: tools.ToolConfig."""
-    from tools import ToolEnvironment, load_parser, load_tools, methods, tool_schema  # tools.py builds on this file
+    """The environment --rollout.env names, a class with `respond` (RespondEnvironment) or TRL's
+    shape (its public methods tools, beside --tools.functions: tools.ToolEnvironment); or the tool
+    functions alone; None: one turn a sample. `tool_cfg`: tools.ToolConfig."""
+    # tools.py builds on this file
+    from tools import ToolEnvironment, load_parser, load_tools, methods, tool_schema
 
     cls = environment_class(cfg.env) if cfg.env else None
     functions = load_tools(tool_cfg.functions) if tool_cfg.functions else {}
     max_chars = RESULT_CHARS_PER_TOKEN * cfg.max_response_length
     if cls is not None and hasattr(cls, "respond"):
         if functions:
-            raise ValueError(f"--tools.functions with --rollout.env {cfg.env!r}, whose `respond` answers every turn: "
-                             "tools are called by an environment without respond (TRL's shape); drop one")
-        return Episodes(lambda: RespondEnvironment(cls, cfg.env_timeout, max_chars, processor), [], True)
+            raise ValueError(f"--tools.functions with --rollout.env {cfg.env!r}, whose `respond` "
+                             "answers every turn: tools are called by an environment without "
+                             "respond (TRL's shape); drop one")
+        return Episodes(lambda: RespondEnvironment(cls, cfg.env_timeout, max_chars, processor),
+                        [], True)
     tools = {**functions, **(methods(cls) if cls is not None else {})}
     if cls is not None and not tools:
-        raise ValueError(f"--rollout.env {cfg.env!r}: {cls.__name__} has neither `respond` nor a public method the "
-                         "model could call as a tool")
+        raise ValueError(f"--rollout.env {cfg.env!r}: {cls.__name__} has neither `respond` nor a "
+                         "public method the model could call as a tool")
     if not tools:
         return None
     parse = load_parser(tool_cfg.parser)
-    return Episodes(lambda: ToolEnvironment(cls, functions, parse, tool_cfg, cfg.env_timeout, max_chars, processor),
+    return Episodes(lambda: ToolEnvironment(cls, functions, parse, tool_cfg, cfg.env_timeout,
+                                            max_chars, processor),
                     [tool_schema(fn) for fn in tools.values()], cls is not None)
 
 
 def environment_class(spec: str):
-    """The class `--rollout.env` names: a built-in (ENVIRONMENTS), `textarena:GAME`, `path/to/file.py:Class` or
-    `module:Class`."""
+    """The class `--rollout.env` names: a built-in (ENVIRONMENTS), `textarena:GAME`,
+    `path/to/file.py:Class` or `module:Class`."""
     if spec in ENVIRONMENTS:
         return ENVIRONMENTS[spec]
     if spec.startswith("textarena:"):
         try:
             from textarena.envs.registration import ENV_REGISTRY
         except ImportError:
-            raise ValueError(f"--rollout.env {spec!r} needs TextArena: pip install textarena") from None
+            raise ValueError(f"--rollout.env {spec!r} needs TextArena: "
+                             "pip install textarena") from None
         game = spec.removeprefix("textarena:")
         if game not in ENV_REGISTRY:
-            raise ValueError(f"--rollout.env {spec!r}: TextArena has no game {game!r} (its single-player games "
-                             "include GuessTheNumber-v0, Mastermind-v0, TowerOfHanoi-v0)")
+            raise ValueError(f"--rollout.env {spec!r}: TextArena has no game {game!r} (its "
+                             "single-player games include GuessTheNumber-v0, Mastermind-v0, "
+                             "TowerOfHanoi-v0)")
         return type(f"TextArena_{game}", (TextArenaGame,), {"game": game})
-    return load_object(spec, "env", "--rollout.env", f"a built-in ({', '.join(ENVIRONMENTS)}), textarena:GAME")
+    return load_object(spec, "env", "--rollout.env",
+                       f"a built-in ({', '.join(ENVIRONMENTS)}), textarena:GAME")

@@ -1,5 +1,5 @@
-"""FSDP2: the process group, sharded model loading, gathering for generation, the weight stream, the final
-save (its collectives: plumbing/collectives.py).
+"""FSDP2: the process group, sharded model loading, gathering for generation, the weight stream, the
+final save (its collectives: plumbing/collectives.py).
 
 Design decisions:
 - One process per device (torchrun). NCCL on GPU, gloo on CPU, chosen from what the machine has.
@@ -10,12 +10,14 @@ Design decisions:
   --actor.dtype) and fp32 gradient reduction on GPU; plain fp32 on CPU (no fast bf16 matmul path
   worth the rounding there).
 - Loading without a full model copy per rank: every rank builds the model on the meta device and
-  shards it; only rank 0 reads the checkpoint and broadcasts one tensor at a time, through the training
-  device, and each rank keeps its shard (torch's `set_model_state_dict(broadcast_from_rank0=True)`
-  broadcasts from where the shards live, the host under CPU offload, which NCCL cannot). Non-persistent
-  buffers (rotary `inv_freq`) travel the same way.
-- Memory options: FSDP2's CPU offload (the shards, gradients and optimizer states in host memory for the
-  whole run), or `move_training_state` (everything to the host while the engine generates, back to train).
+  shards it; only rank 0 reads the checkpoint and broadcasts one tensor at a time, through the
+  training device, and each rank keeps its shard (torch's
+  `set_model_state_dict(broadcast_from_rank0=True)` broadcasts from where the shards live, the host
+  under CPU offload, which NCCL cannot). Non-persistent buffers (rotary `inv_freq`) travel the same
+  way.
+- Memory options: FSDP2's CPU offload (the shards, gradients and optimizer states in host memory for
+  the whole run), or `move_training_state` (everything to the host while the engine generates, back
+  to train).
 """
 
 import json
@@ -31,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard)
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig
 
@@ -42,12 +45,13 @@ from plumbing.tiny import model_class
 from vision import family, is_vision_language, keep_vision_tower_in_step
 
 
-def init_distributed(timeout_minutes: float = 30, cpu_offload: bool = False) -> tuple[int, int, torch.device]:
+def init_distributed(timeout_minutes: float = 30,
+                     cpu_offload: bool = False) -> tuple[int, int, torch.device]:
     """Join torchrun's process group; a plain `python grpo.py` runs as a world of one.
 
-    The timeout bounds every collective, the first ones included: while rank 0 reads a large checkpoint
-    the other ranks wait in the broadcast that follows, so it must cover that read. `cpu_offload`: FSDP2's CPU
-    offload will reduce host tensors too (process_group_backend).
+    The timeout bounds every collective, the first ones included: while rank 0 reads a large
+    checkpoint the other ranks wait in the broadcast that follows, so it must cover that read.
+    `cpu_offload`: FSDP2's CPU offload will reduce host tensors too (process_group_backend).
     """
     for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                          ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
@@ -56,7 +60,8 @@ def init_distributed(timeout_minutes: float = 30, cpu_offload: bool = False) -> 
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group(process_group_backend("cuda", cpu_offload), device_id=device, timeout=timeout)
+        dist.init_process_group(process_group_backend("cuda", cpu_offload), device_id=device,
+                                timeout=timeout)
     else:
         device = torch.device("cpu")
         dist.init_process_group(process_group_backend("cpu", cpu_offload), timeout=timeout)
@@ -64,24 +69,26 @@ def init_distributed(timeout_minutes: float = 30, cpu_offload: bool = False) -> 
 
 
 def process_group_backend(device_type: str, cpu_offload: bool) -> str:
-    """NCCL for a GPU's tensors, gloo for a CPU's. NCCL serves CUDA tensors only, and under FSDP2's CPU offload
-    the shards and gradients are host tensors inside DTensors: the gradient-norm clip reduces them, so that
-    run needs gloo for the CPU beside NCCL (torch's own advice in its "No backend type associated with device
-    type cpu" error; torchtitan does the same)."""
+    """NCCL for a GPU's tensors, gloo for a CPU's. NCCL serves CUDA tensors only, and under FSDP2's
+    CPU offload the shards and gradients are host tensors inside DTensors: the gradient-norm clip
+    reduces them, so that run needs gloo for the CPU beside NCCL (torch's own advice in its "No
+    backend type associated with device type cpu" error; torchtitan does the same)."""
     if device_type != "cuda":
         return "gloo"
     return "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
 
 
-LOGIT_TRANSFORMS = {"final_logit_softcapping": (0,), "logit_scale": (1,), "logits_scaling": (1,)}  # name: no-op values
+# name: no-op values
+LOGIT_TRANSFORMS = {"final_logit_softcapping": (0,), "logit_scale": (1,), "logits_scaling": (1,)}
 
 
 def check_model_exists(model_path: str, flag: str) -> None:
-    """Fail in one line naming `flag` (the flag and its value) on a folder without config.json, a path that does not
-    exist, or a hub id that cannot be found (check_hub_model)."""
+    """Fail in one line naming `flag` (the flag and its value) on a folder without config.json, a
+    path that does not exist, or a hub id that cannot be found (check_hub_model)."""
     path = Path(model_path).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
-        raise SystemExit(f"{flag}: the folder has no config.json; give a Hugging Face model folder or a hub id")
+        raise SystemExit(f"{flag}: the folder has no config.json; give a Hugging Face model folder "
+                         "or a hub id")
     if not path.is_dir():
         if path.exists() or model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1:
             raise SystemExit(f"{flag}: no such folder, and not a hub id (namespace/name)")
@@ -89,34 +96,38 @@ def check_model_exists(model_path: str, flag: str) -> None:
 
 
 def check_model_source(model_path: str, given: str, longest_sequence: int) -> None:
-    """Fail at start-up, in one line, on a model that cannot load or cannot hold the run's sequences: a folder
-    without config.json, a path that does not exist, a hub id the hub does not have, or one this machine can
-    neither reach nor finds in its Hugging Face cache; prompt + response longer than the model's context; a model
-    whose output head transforms its logits (final soft-capping, scaling: LOGIT_TRANSFORMS), which the trainer's
-    head, run outside the model's forward, would skip.
+    """Fail at start-up, in one line, on a model that cannot load or cannot hold the run's
+    sequences: a folder without config.json, a path that does not exist, a hub id the hub does not
+    have, or one this machine can neither reach nor finds in its Hugging Face cache;
+    prompt + response longer than the model's context; a model whose output head transforms its
+    logits (final soft-capping, scaling: LOGIT_TRANSFORMS), which the trainer's head, run outside
+    the model's forward, would skip.
 
-    A hub id is looked up once, with a short timeout: offline, transformers would retry every file for a long
-    while before failing (docs/running.md). Offline with a cached copy, every later load is told to use the
-    cache. `given`: the flag's value, for the messages (`tiny:qwen2` for the folder it was built into).
+    A hub id is looked up once, with a short timeout: offline, transformers would retry every file
+    for a long while before failing (docs/running.md). Offline with a cached copy, every later load
+    is told to use the cache. `given`: the flag's value, for the messages (`tiny:qwen2` for the
+    folder it was built into).
     """
     flag = f"--actor.model-path {given}"
     check_model_exists(model_path, flag)
     config = AutoConfig.from_pretrained(model_path).get_text_config()
     if longest_sequence > config.max_position_embeddings:
-        raise SystemExit(f"--data.max-prompt-length + --rollout.max-response-length = {longest_sequence} tokens exceed "
-                         f"the context of {given} ({config.max_position_embeddings} tokens, max_position_embeddings): "
+        raise SystemExit("--data.max-prompt-length + --rollout.max-response-length = "
+                         f"{longest_sequence} tokens exceed the context of {given} "
+                         f"({config.max_position_embeddings} tokens, max_position_embeddings): "
                          "lower either")
     transforms = [f"{name} {value}" for name, neutral in LOGIT_TRANSFORMS.items()
                   if (value := getattr(config, name, None)) is not None and value not in neutral]
     if transforms:
-        raise SystemExit(f"{flag}: the model transforms its logits in its forward ({', '.join(transforms)}), and the "
-                         "trainer computes log-probs from the decoder's hidden states with the output head alone "
-                         "(logprobs.py): its log-probs would not be the model's. Models with final logit soft-capping "
-                         "or scaling (Gemma 2/3, Cohere, Granite) are not supported")
+        raise SystemExit(f"{flag}: the model transforms its logits in its forward "
+                         f"({', '.join(transforms)}), and the trainer computes log-probs from the "
+                         "decoder's hidden states with the output head alone (logprobs.py): its "
+                         "log-probs would not be the model's. Models with final logit "
+                         "soft-capping or scaling (Gemma 2/3, Cohere, Granite) are not supported")
 
 
 def check_hub_model(repo_id: str, flag: str) -> None:
-    """check_model_source for a hub id."""
+    """check_model_exists (and so check_model_source) for a hub id."""
     from huggingface_hub import constants, model_info, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -125,39 +136,43 @@ def check_hub_model(repo_id: str, flag: str) -> None:
     try:
         model_info(repo_id, timeout=10)
     except GatedRepoError as error:
-        raise SystemExit(f"{flag}: a gated model: accept its terms on its hub page and log in (`hf auth login`)"
-                         ) from error
+        raise SystemExit(f"{flag}: a gated model: accept its terms on its hub page and log in "
+                         "(`hf auth login`)") from error
     except RepositoryNotFoundError as error:
-        raise SystemExit(f"{flag}: no such folder, and the hub has no such model (a private one needs "
-                         "`hf auth login`)") from error
+        raise SystemExit(f"{flag}: no such folder, and the hub has no such model (a private one "
+                         "needs `hf auth login`)") from error
     except Exception as error:  # no network: the cache, or nothing
         if not isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
-            raise SystemExit(f"{flag}: no such folder, and a hub id that cannot be reached from this machine "
-                             f"({type(error).__name__}) nor is in its Hugging Face cache: download it where there "
-                             f"is a network (`hf download {repo_id}`) and pass its folder") from error
+            raise SystemExit(f"{flag}: no such folder, and a hub id that cannot be reached from "
+                             f"this machine ({type(error).__name__}) nor is in its Hugging Face "
+                             "cache: download it where there is a network "
+                             f"(`hf download {repo_id}`) and pass its folder") from error
         os.environ["HF_HUB_OFFLINE"] = "1"  # for vLLM, which reads it later
         constants.HF_HUB_OFFLINE = True  # huggingface_hub read the variable when it was imported
 
 
-def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: torch.dtype = torch.float32,
-                       gradient_checkpointing: bool = False, cpu_offload: bool = False, lora: LoRAConfig | None = None,
+def load_sharded_model(path: str, device: torch.device, trainable: bool,
+                       dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False,
+                       cpu_offload: bool = False, lora: LoRAConfig | None = None,
                        videos: bool = False):
     """Build the HF model on the meta device, shard it with FSDP2, fill it from rank 0's checkpoint.
 
-    `dtype` is the stored (master) dtype: fp32 for the actor unless --actor.dtype says otherwise; the frozen
-    reference needs no fp32 master copy, so on GPU it is stored in bf16, half the memory. `cpu_offload`: FSDP2
-    keeps the parameters, gradients and optimizer states in CPU memory and copies each unit to the device
-    for its forward and backward. `lora` with a rank: peft's LoRA adapters (lora.py), the only trainable weights;
-    on GPU the frozen base is then stored in bf16 whatever `dtype` says. `videos`: a vision-language model's run
-    reads videos, so every forward runs its vision tower for videos too (vision.keep_vision_tower_in_step).
+    `dtype` is the stored (master) dtype: fp32 for the actor unless --actor.dtype says otherwise;
+    the frozen reference needs no fp32 master copy, so on GPU it is stored in bf16, half the memory.
+    `cpu_offload`: FSDP2 keeps the parameters, gradients and optimizer states in CPU memory and
+    copies each unit to the device for its forward and backward. `lora` with a rank: peft's LoRA
+    adapters (lora.py), the only trainable weights; on GPU the frozen base is then stored in bf16
+    whatever `dtype` says. `videos`: a vision-language model's run reads videos, so every forward
+    runs its vision tower for videos too (vision.keep_vision_tower_in_step).
     """
     config = AutoConfig.from_pretrained(path)
     with_adapters = lora is not None and lora.rank > 0
-    if with_adapters and device.type == "cuda":  # the frozen base needs no fp32 master copy (peft keeps adapters fp32)
+    # the frozen base needs no fp32 master copy (peft keeps adapters fp32)
+    if with_adapters and device.type == "cuda":
         dtype = torch.bfloat16
     with torch.device("meta"):
-        model = model_class(config).from_config(config, dtype=dtype,
-                                                attn_implementation=attention_implementation(device))
+        model = model_class(config).from_config(
+            config, dtype=dtype, attn_implementation=attention_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model = model
@@ -170,91 +185,115 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool, dtype: 
     for module in model.modules():
         if type(module).__name__ in block_names:
             fully_shard(module, mp_policy=mixed_precision, offload_policy=offload)
-    if is_vision_language(config):  # the vision tower's own unit (its embedding, merger), then every forward runs it
+    # the vision tower's own unit (its embedding, merger), then every forward runs it
+    if is_vision_language(config):
         adapter = family(config)
         fully_shard(adapter.vision_tower(hf_model), mp_policy=mixed_precision,
                     offload_policy=offload)
         keep_vision_tower_in_step(hf_model, videos)
         adapter.use_original_positions(hf_model)
-    # the root unit is the Hugging Face model, inside peft's wrapper when there is one: its forward and `generate`
-    # (the hf engine's, which peft passes through) both start at the root, where FSDP2 initialises itself
+    # the root unit is the Hugging Face model, inside peft's wrapper when there is one: its forward
+    # and `generate` (the hf engine's, which peft passes through) both start at the root, where
+    # FSDP2 initialises itself
     fully_shard(hf_model, mp_policy=mixed_precision, offload_policy=offload)
     model.to_empty(device="cpu" if cpu_offload else device)
-    for module in model.modules() if cpu_offload else []:  # FSDP2 offloads the parameters; buffers stay on the device
+    # FSDP2 offloads the parameters; buffers stay on the device
+    for module in model.modules() if cpu_offload else []:
         for name, buffer in module.named_buffers(recurse=False):
             module._buffers[name] = buffer.to(device)
 
     full = model_class(config).from_pretrained(path, dtype=dtype) if dist.get_rank() == 0 else None
-    if full is not None and with_adapters:  # the same wrapping, with peft's initial adapters (B = 0)
+    # the same wrapping, with peft's initial adapters (B = 0)
+    if full is not None and with_adapters:
         full = add_adapters(full, lora)
-    full = {**dict(full.named_parameters()), **dict(full.named_buffers())} if full is not None else {}
-    # every tensor through the training device (NCCL moves GPU tensors only); each rank keeps its shard
+    full = ({**dict(full.named_parameters()), **dict(full.named_buffers())} if full is not None
+            else {})
+    # every tensor through the training device (NCCL moves GPU tensors only); each rank keeps
+    # its shard
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            source = full[name].to(device) if full else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            source = (full[name].to(device) if full
+                      else torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
             dist.broadcast(source, src=0)
             if isinstance(tensor, DTensor):
-                source = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+                source = distribute_tensor(source, tensor.device_mesh, tensor.placements,
+                                           src_data_rank=None).to_local()
                 tensor = tensor.to_local()
             tensor.copy_(source)
     del full
-    if trainable:  # losses are normalised by global counts already: the gradient is the sum over ranks
+    # losses are normalised by global counts already: the gradient is the sum over ranks
+    if trainable:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+                # a plain SUM (gloo has no pre-multiplied sum)
+                module.set_force_sum_reduction_for_comms(True)
     if not with_adapters:  # with adapters, peft has made them the only trainable weights
         model.requires_grad_(trainable)
     model.train(trainable)
     return model
 
 
-def load_actor_and_reference(actor_cfg, lora_cfg: LoRAConfig, model_path: str, device: torch.device, uses_kl: bool,
-                             vision_language: bool, say, videos: bool = False):
-    """The actor (`actor_cfg`: grpo.ActorConfig) and the frozen reference: None without KL, and with LoRA (the
-    actor with its adapters off is one). `videos`: the run reads videos (load_sharded_model)."""
+def load_actor_and_reference(actor_cfg, lora_cfg: LoRAConfig, model_path: str, device: torch.device,
+                             uses_kl: bool, vision_language: bool, say, videos: bool = False):
+    """The actor (`actor_cfg`: grpo.ActorConfig) and the frozen reference: None without KL, and with
+    LoRA (the actor with its adapters off is one). `videos`: the run reads videos
+    (load_sharded_model)."""
     lora = lora_cfg.rank > 0
-    actor_dtype = getattr(torch, actor_cfg.dtype)  # with LoRA on GPU, load_sharded_model stores the base in bf16
+    # with LoRA on GPU, load_sharded_model stores the base in bf16
+    actor_dtype = getattr(torch, actor_cfg.dtype)
     actor = load_sharded_model(model_path, device, trainable=True, dtype=actor_dtype,
                                cpu_offload=actor_cfg.fsdp_cpu_offload,
-                               gradient_checkpointing=actor_cfg.gradient_checkpointing, lora=lora_cfg, videos=videos)
-    ref_dtype = torch.bfloat16 if device.type == "cuda" else actor_dtype  # frozen: no fp32 master copy needed
+                               gradient_checkpointing=actor_cfg.gradient_checkpointing,
+                               lora=lora_cfg, videos=videos)
+    # frozen: no fp32 master copy needed
+    ref_dtype = torch.bfloat16 if device.type == "cuda" else actor_dtype
     ref = (load_sharded_model(model_path, device, trainable=False, dtype=ref_dtype,
-                              cpu_offload=actor_cfg.fsdp_cpu_offload, videos=videos) if uses_kl and not lora else None)
+                              cpu_offload=actor_cfg.fsdp_cpu_offload, videos=videos)
+           if uses_kl and not lora else None)
     if lora:
         trainable = sum(p.numel() for p in actor.parameters() if p.requires_grad)
         say(f"LoRA rank {lora_cfg.rank}: {trainable:,} trainable parameters of "
-            f"{sum(p.numel() for p in actor.parameters()):,}; the reference is the base (adapters off)")
+            f"{sum(p.numel() for p in actor.parameters()):,}; the reference is the base "
+            "(adapters off)")
     if actor_cfg.freeze_vision_tower:
         if not vision_language:
-            raise SystemExit(f"--actor.freeze-vision-tower: {actor_cfg.model_path} has no vision tower")
+            raise SystemExit(f"--actor.freeze-vision-tower: {actor_cfg.model_path} has no "
+                             "vision tower")
         model = base_of(actor)
         family(model.config).vision_tower(model).requires_grad_(False)
     return actor, ref
 
 
-def load_reward_model(path: str, device: torch.device, tokenizer, cpu_offload: bool = False) -> torch.nn.Module:
-    """A frozen sequence-classification reward model, sharded as the reference is (bf16 on GPU), that scores the
-    trainer's own token ids: its tokenizer must be the policy's."""
+def load_reward_model(path: str, device: torch.device, tokenizer,
+                      cpu_offload: bool = False) -> torch.nn.Module:
+    """A frozen sequence-classification reward model, sharded as the reference is (bf16 on GPU),
+    that scores the trainer's own token ids: its tokenizer must be the policy's."""
     from transformers import AutoTokenizer
 
     config = AutoConfig.from_pretrained(path)
-    if model_class(config).__name__ != "AutoModelForSequenceClassification" or config.num_labels != 1:
-        raise SystemExit(f"--reward.model {path}: not a reward model (a ...ForSequenceClassification checkpoint of one "
-                         f"label), but {', '.join(config.architectures or [type(config).__name__])}")
+    if (model_class(config).__name__ != "AutoModelForSequenceClassification"
+            or config.num_labels != 1):
+        raise SystemExit(f"--reward.model {path}: not a reward model (a "
+                         "...ForSequenceClassification checkpoint of one label), but "
+                         f"{', '.join(config.architectures or [type(config).__name__])}")
     if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
-        raise SystemExit(f"--reward.model {path}: its tokenizer is not the policy's, and the reward model scores the "
-                         "policy's token ids; pick a reward model trained on the policy's tokenizer")
-    return load_sharded_model(path, device, trainable=False, dtype=torch.bfloat16 if device.type == "cuda" else
-                              torch.float32, cpu_offload=cpu_offload)
+        raise SystemExit(f"--reward.model {path}: its tokenizer is not the policy's, and the "
+                         "reward model scores the policy's token ids; pick a reward model trained "
+                         "on the policy's tokenizer")
+    return load_sharded_model(path, device, trainable=False,
+                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                              cpu_offload=cpu_offload)
 
 
-def move_training_state(device: torch.device | str, models: list, optimizer: torch.optim.Optimizer | None) -> None:
-    """Move sharded models and an optimizer's states (AdamW's moments; its step counts stay on the host) to
-    `device`: to the CPU while the engine generates, back for training (--actor.offload-while-generating).
+def move_training_state(device: torch.device | str, models: list,
+                        optimizer: torch.optim.Optimizer | None) -> None:
+    """Move sharded models and an optimizer's states (AdamW's moments; its step counts stay on the
+    host) to `device`: to the CPU while the engine generates, back for training
+    (--actor.offload-while-generating).
 
-    FSDP2 moves its sharded parameters with `module.to`; the cached blocks of freed GPU memory are returned
-    to the driver so the engine can allocate them.
+    FSDP2 moves its sharded parameters with `module.to`; the cached blocks of freed GPU memory are
+    returned to the driver so the engine can allocate them.
     """
     for model in models:
         model.to(device)
@@ -269,8 +308,9 @@ def move_training_state(device: torch.device | str, models: list, optimizer: tor
 
 @dataclass
 class TrainingState:
-    """What training keeps on the device between steps (sharded models, AdamW's moments) and where it waits while
-    the engine generates: on the device, or in host memory when `offload` (--actor.offload-while-generating)."""
+    """What training keeps on the device between steps (sharded models, AdamW's moments) and where
+    it waits while the engine generates: on the device, or in host memory when `offload`
+    (--actor.offload-while-generating)."""
 
     models: list[torch.nn.Module]
     optimizer: torch.optim.Optimizer | None
@@ -287,10 +327,11 @@ class TrainingState:
 
 
 def reshard(model: torch.nn.Module) -> None:
-    """Free every gathered FSDP unit of `model`. FSDP2 reshards the blocks after each forward but never the root
-    (the embeddings and an untied head), which the backward's post-hook frees; after passes that no backward
-    follows (the reference's, the old log-probs'), the root would stay gathered through the generation that comes
-    next: 2.2 GB per GPU of a 7B model in bf16, 5 GB of a 72B one. Units already sharded are left as they are."""
+    """Free every gathered FSDP unit of `model`. FSDP2 reshards the blocks after each forward but
+    never the root (the embeddings and an untied head), which the backward's post-hook frees; after
+    passes that no backward follows (the reference's, the old log-probs'), the root would stay
+    gathered through the generation that comes next: 2.2 GB per GPU of a 7B model in bf16, 5 GB of a
+    72B one. Units already sharded are left as they are."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -298,12 +339,14 @@ def reshard(model: torch.nn.Module) -> None:
 
 @contextmanager
 def gathered(model: torch.nn.Module):
-    """Every FSDP unit's full parameters, gathered once, for many forwards without a collective (generation).
+    """Every FSDP unit's full parameters, gathered once, for many forwards without a collective
+    (generation).
 
-    FSDP2 all-gathers a unit at each forward and frees it after. Generating T tokens would cost T gathers of
-    the whole model and, worse, hang when ranks generate different numbers of tokens: a rank that stops
-    early no longer joins the gathers the others wait in. Gathered once up front (in the compute dtype),
-    each rank's generation is local. Peak memory: one full copy of the parameters, as a vLLM engine holds.
+    FSDP2 all-gathers a unit at each forward and frees it after. Generating T tokens would cost T
+    gathers of the whole model and, worse, hang when ranks generate different numbers of tokens: a
+    rank that stops early no longer joins the gathers the others wait in. Gathered once up front (in
+    the compute dtype), each rank's generation is local. Peak memory: one full copy of the
+    parameters, as a vLLM engine holds.
     """
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
@@ -323,16 +366,17 @@ def gathered(model: torch.nn.Module):
 @torch.no_grad()
 def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype,
                         device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor in `dtype` on `device`), gathering one parameter at a time: never a second model
-    copy.
+    """Yield (HF name, full tensor in `dtype` on `device`), gathering one parameter at a time: never
+    a second model copy.
 
-    Each shard is cast before the gather, so a bf16 engine moves half the bytes of the fp32 master weights, and
-    moved to `device`, the training device, first: under FSDP2's CPU offload it lives on the host, where NCCL
-    cannot gather it (and gloo would, over TCP, at every sync).
-    Every rank must consume the whole stream in the same order (each `full_tensor()` is a collective).
-    Tied parameters appear once (under the input embedding's name), as `named_parameters` dedups them.
+    Each shard is cast before the gather, so a bf16 engine moves half the bytes of the fp32 master
+    weights, and moved to `device`, the training device, first: under FSDP2's CPU offload it lives
+    on the host, where NCCL cannot gather it (and gloo would, over TCP, at every sync). Every rank
+    must consume the whole stream in the same order (each `full_tensor()` is a collective). Tied
+    parameters appear once (under the input embedding's name), as `named_parameters` dedups them.
     """
-    if has_adapters(model):  # LoRA: the adapted weights, merged while streaming, under the base model's names
+    # LoRA: the adapted weights, merged while streaming, under the base model's names
+    if has_adapters(model):
         yield from merged_weights(model, dtype, device)
         return
     for name, param in model.named_parameters():
@@ -340,39 +384,46 @@ def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype,
         yield name, shard.full_tensor() if isinstance(shard, DTensor) else shard
 
 
-HF_MARKER = "COMPLETE"  # written last into every Hugging Face folder this project writes: a folder with it is ours
+# written last into every Hugging Face folder this project writes: a folder with it is ours
+HF_MARKER = "COMPLETE"
 
 
 def check_output_folder(path: str | Path, overwrite: bool, what: str) -> None:
-    """Refuse to write a Hugging Face folder where files are that this project did not write, and over an earlier
-    folder of ours unless `overwrite`: nothing is ever deleted that the program did not create. `what` names the
-    folder and how to choose another in the messages."""
+    """Refuse to write a Hugging Face folder where files are that this project did not write, and
+    over an earlier folder of ours unless `overwrite`: nothing is ever deleted that the program did
+    not create. `what` names the folder and how to choose another in the messages."""
     path = Path(path)
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return
     if not (path / HF_MARKER).is_file():
-        raise SystemExit(f"{what} {path} exists and holds files this program did not write: it never writes over "
-                         "them; choose a new or empty folder")
+        raise SystemExit(f"{what} {path} exists and holds files this program did not write: it "
+                         "never writes over them; choose a new or empty folder")
     if not overwrite:
-        raise SystemExit(f"{what} {path} holds an earlier model written by this program: pass --overwrite to replace "
-                         "it, or choose a new folder")
+        raise SystemExit(f"{what} {path} holds an earlier model written by this program: pass "
+                         "--overwrite to replace it, or choose a new folder")
 
 
-def save_hf_model(model: FSDPModule, tokenizer, path: str | Path, device: torch.device, overwrite: bool, what: str,
-                  if_full: str) -> None:
-    """Write a Hugging Face folder (safetensors + config + tokenizer, or a VLM's processor in its place) atomically:
-    into a new hidden folder beside `path`, renamed into place once complete. An earlier folder at `path` is
-    replaced only if this program wrote it and `overwrite` (check_output_folder). A full disk ends the run with
-    one message (`if_full` says what to do), the unfinished folder deleted. Only rank 0 holds the full model in
-    host memory; the others take part in the gathers. `device`: the training device, where the gathers run."""
-    if has_adapters(model):  # LoRA: the merged weights under the base model's names, a plain HF model
+def save_hf_model(model: FSDPModule, tokenizer, path: str | Path, device: torch.device,
+                  overwrite: bool, what: str, if_full: str) -> None:
+    """Write a Hugging Face folder (safetensors + config + tokenizer, or a VLM's processor in its
+    place) atomically: into a new hidden folder beside `path`, renamed into place once complete. An
+    earlier folder at `path` is replaced only if this program wrote it and `overwrite`
+    (check_output_folder). A full disk ends the run with one message (`if_full` says what to do),
+    the unfinished folder deleted. Only rank 0 holds the full model in host memory; the others take
+    part in the gathers. `device`: the training device, where the gathers run."""
+    # LoRA: the merged weights under the base model's names, a plain HF model
+    if has_adapters(model):
         dtype = next(p.dtype for n, p in model.named_parameters() if ".lora_" not in n)
-        state = {name: tensor.cpu() for name, tensor in merged_weights(model, dtype, device) if dist.get_rank() == 0}
+        state = {name: tensor.cpu() for name, tensor in merged_weights(model, dtype, device)
+                 if dist.get_rank() == 0}
     else:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if getattr(model.config, "tie_word_embeddings", False):  # the head is the input embedding: store it once
+        state = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # the head is the input embedding: store it once
+    if getattr(model.config, "tie_word_embeddings", False):
         head = model.get_output_embeddings()
-        state.pop(next(name for name, module in model.named_modules() if module is head) + ".weight", None)
+        state.pop(next(name for name, module in model.named_modules() if module is head)
+                  + ".weight", None)
     if dist.get_rank() == 0:
         path = Path(path)
         check_output_folder(path, overwrite, what)
@@ -387,8 +438,9 @@ def save_hf_model(model: FSDPModule, tokenizer, path: str | Path, device: torch.
         except Exception as error:
             shutil.rmtree(tmp, ignore_errors=True)
             if out_of_space(error, path.parent, need):
-                raise SystemExit(f"no space left on device for {what} {path} (about {size_text(need)}): "
-                                 f"nothing was written there; {if_full}") from error
+                raise SystemExit(f"no space left on device for {what} {path} "
+                                 f"(about {size_text(need)}): nothing was written there; "
+                                 f"{if_full}") from error
             raise
         if path.exists():  # an earlier folder of ours (checked above): out of the way, then deleted
             old = tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent)

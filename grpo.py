@@ -8,19 +8,25 @@ A preset from configs/ plus flag overrides (every config field is a flag, see --
 Launched again, it resumes from the run folder's latest checkpoint (plumbing/checkpoints.py).
 
 One training step:
-    generate (vLLM) -> rewards -> old/ref log-probs -> advantages -> rollout correction weights -> PPO epochs x
-    mini-batches x micro-batches (loss, backward), clip, optimizer step -> LR step -> sync weights into vLLM ->
-    validate, log (plumbing/trackers.py) -> save a checkpoint
-    (with one optimizer step per rollout batch and no correction the old log-probs are the update's own: no pass of
-    their own; --algorithm.old-logprobs engine takes the engine's instead)
+    generate (vLLM; the reward function starts on the responses) -> old/ref log-probs (an async
+    reward runs beside them) -> rewards (the reward function's, then a reward model's pass) ->
+    token rewards, advantages, rollout correction weights (algorithms.py) -> balance tokens over
+    ranks -> PPO epochs x mini-batches x micro-batches (loss, backward), clip, optimizer step -> LR
+    step -> sync weights into vLLM -> validate, log (plumbing/trackers.py) -> save a checkpoint
+    (with one optimizer step per rollout batch, no KL in the reward and no correction the old
+    log-probs are the update's own: no pass of their own; --algorithm.old-logprobs engine takes the
+    engine's instead; dynamic sampling waits for the reward function's scores before the passes;
+    --rollout.staleness syncs the weights before the update)
 Design decisions:
-- The algorithm is a handful of pure tensor functions registered by name (algorithms.py); this file is the config
-  and the loop that calls them. Semantics follow EasyR1; deviations are stated where made and in docs/algorithms.md.
+- The algorithm is a handful of pure tensor functions registered by name (algorithms.py); this file
+  is the config and the loop that calls them. Semantics follow EasyR1; deviations are stated where
+  made and in docs/algorithms.md.
 - Each rank generates for its own prompts, so a prompt's group of n responses lives on one rank and
   group statistics need no communication. Losses are normalised by global counts (all-reduced), so
   the gradient does not depend on how samples are split over ranks or micro-batches.
-- The batch holds [prompt | response | padding] rows; each micro-batch is packed into one padding-free row
-  for the forward, and the output head runs on the response positions only, in chunks (logprobs.py).
+- The batch holds [prompt | response | padding] rows; each micro-batch is packed into one
+  padding-free row for the forward, and the output head runs on the response positions only, in
+  chunks (logprobs.py).
 """
 
 import dataclasses
@@ -38,24 +44,29 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from algorithms import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, AdvantageInputs, AlgorithmConfig,
-                        LossInputs, RewardKL, aggregate, keep_group, kl_penalty, rollout_weights, token_rewards)
+from algorithms import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, AdvantageInputs,
+                        AlgorithmConfig, LossInputs, RewardKL, aggregate, keep_group, kl_penalty,
+                        rollout_weights, token_rewards)
 from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
 from env import EpisodeRollout, check_environment, environment_class, episode_metrics, episodes_of
-from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source, check_output_folder,
-                        init_distributed, load_actor_and_reference, load_reward_model, save_hf_model)
-from logprobs import Batch, batch_of, batched_logprobs, micro_batches, response_logprobs, reward_model_scores
+from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source,
+                        check_output_folder, init_distributed, load_actor_and_reference,
+                        load_reward_model, save_hf_model)
+from logprobs import (Batch, batch_of, batched_logprobs, micro_batches, response_logprobs,
+                      reward_model_scores)
 from lora import LoRAConfig, adapters_off
 from plumbing.attention import attention_line
 from plumbing.balance import balance_over_ranks
-from plumbing.checkpoints import (agree_on_resume_point, hold_run_folder, load_model, prepare_run_folder, read_state,
-                                  resume, save_checkpoint, stop_note)
+from plumbing.checkpoints import (agree_on_resume_point, hold_run_folder, load_model,
+                                  prepare_run_folder, read_state, resume, save_checkpoint,
+                                  stop_note)
 from plumbing.cli import check_flags, default_run_name, parse_command_line
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
-from plumbing.console import INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_libraries, report_once, run
+from plumbing.console import (INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_libraries,
+                              report_once, run)
 from plumbing.memory import check_run_memory
-from plumbing.metrics import (PhaseTimer, correction_metrics, logprob_metrics, pass_metrics, score_metrics,
-                              step_totals)
+from plumbing.metrics import (PhaseTimer, correction_metrics, logprob_metrics, pass_metrics,
+                              score_metrics, step_totals)
 from plumbing.optimizer import build_optimizer, build_scheduler
 from plumbing.tiny import ARCHITECTURES, REAL_VOCABULARY, VISION_ARCHITECTURES, resolve_model
 from plumbing.trackers import Trackers, check_loggers, write_evaluation
@@ -69,7 +80,8 @@ from vision import is_vision_language
 @dataclass
 class ActorConfig:
     model_path: str = "tiny:qwen2"
-    """HF model folder or hub id; `tiny:NAME` builds a tiny random model locally (the names: --help's first lines)."""
+    """HF model folder or hub id; `tiny:NAME` builds a tiny random model locally (the names:
+    --help's first lines)."""
     lr: float = 1e-3
     """AdamW learning rate (peak)."""
     weight_decay: float = 1e-2
@@ -87,29 +99,31 @@ class ActorConfig:
     micro_batch_size: int = 64
     """Sequences per forward/backward on each rank (gradient accumulation over the mini-batch)."""
     max_tokens_per_micro_batch: int = 0
-    """Form micro-batches by this token budget instead of --actor.micro-batch-size, the same number on every rank
-    (0: off)."""
+    """Form micro-batches by this token budget instead of --actor.micro-batch-size, the same number
+    on every rank (0: off)."""
     padding_free: bool = True
-    """Pack each micro-batch's sequences into one row, no padding (flash-attn varlen on GPU; logprobs.py)."""
+    """Pack each micro-batch's sequences into one row, no padding (flash-attn varlen on GPU;
+    logprobs.py)."""
     sequence_parallel_size: int = 1
-    """Ulysses sequence parallelism: groups of this many ranks train on the same micro-batches, each packed row cut
-    over them and attention computed by heads (sequence_parallel.py): activations / N, for responses one GPU cannot
-    hold (1: off)."""
+    """Ulysses sequence parallelism: groups of this many ranks train on the same micro-batches, each
+    packed row cut over them and attention computed by heads (sequence_parallel.py):
+    activations / N, for responses one GPU cannot hold (1: off)."""
     balance_ranks: bool = True
-    """Before the update, move sequences between ranks so each holds about as many tokens (plumbing/balance.py)."""
+    """Before the update, move sequences between ranks so each holds about as many tokens
+    (plumbing/balance.py)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Stored (master) dtype of the actor's parameters; on GPU the compute is bf16 either way."""
     optimizer: Literal["adamw", "adamw_bf16"] = "adamw"
-    """adamw: torch's AdamW (moments in the parameters' dtype); adamw_bf16: bf16 moments, fp32 arithmetic
-    (plumbing/optimizer.py)."""
+    """adamw: torch's AdamW (moments in the parameters' dtype); adamw_bf16: bf16 moments, fp32
+    arithmetic (plumbing/optimizer.py)."""
     fsdp_cpu_offload: bool = False
-    """FSDP2 CPU offload: parameters, gradients and AdamW states live in CPU memory (slow; for models that do not
-    fit)."""
+    """FSDP2 CPU offload: parameters, gradients and AdamW states live in CPU memory (slow; for
+    models that do not fit)."""
     offload_while_generating: bool = False
-    """Move the actor, reference and AdamW states to CPU memory while vLLM generates, so the engine can use that
-    memory."""
+    """Move the actor, reference and AdamW states to CPU memory while vLLM generates, so the engine
+    can use that memory."""
     freeze_vision_tower: bool = False
     """Vision-language models: train the language model only; the vision tower keeps its weights."""
 
@@ -121,7 +135,8 @@ class TrainerConfig:
     rollout_batch_size: int = 32
     """Prompts per training step, over all ranks."""
     global_batch_size: int = 32
-    """Prompts per optimizer step, over all ranks (rollout_batch_size / global_batch_size mini-batches)."""
+    """Prompts per optimizer step, over all ranks (rollout_batch_size / global_batch_size
+    mini-batches)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     val_freq: int = 20
@@ -129,21 +144,24 @@ class TrainerConfig:
     val_before_train: bool = True
     """Validate once before the first step."""
     val_only: bool = False
-    """Evaluate only: validate the model, or the checkpoint --trainer.resume finds (the run's latest, best, a path),
-    with --rollout.val-n samples a prompt; every sample and the metrics go to the run folder's eval/."""
+    """Evaluate only: validate the model, or the checkpoint --trainer.resume finds (the run's
+    latest, best, a path), with --rollout.val-n samples a prompt; every sample and the metrics go to
+    the run folder's eval/."""
     save_freq: int = 20
-    """Save a checkpoint (model, optimizer, scheduler, RNG, data position) every this many steps and after the last;
-    0: never."""
+    """Save a checkpoint (model, optimizer, scheduler, RNG, data position) every this many steps and
+    after the last; 0: never."""
     save_limit: int = 3
-    """Keep the newest this many checkpoints, plus the best by --trainer.best-metric; 0: keep all."""
+    """Keep the newest this many checkpoints, plus the best by --trainer.best-metric;
+    0: keep all."""
     save_model_only: bool = False
-    """Checkpoints without the optimizer state (a third of the size; a resume restarts AdamW's moments)."""
+    """Checkpoints without the optimizer state (a third of the size; a resume restarts AdamW's
+    moments)."""
     best_metric: str = "val/reward_overall"
-    """Metric (higher is better) that ranks checkpoints saved at validating steps, for --trainer.resume best and the
-    save limit."""
+    """Metric (higher is better) that ranks checkpoints saved at validating steps, for
+    --trainer.resume best and the save limit."""
     resume: str = "auto"
-    """auto: continue from the run folder's latest checkpoint if it has one; never; best; or a checkpoint folder's
-    path."""
+    """auto: continue from the run folder's latest checkpoint if it has one; never; best; or a
+    checkpoint folder's path."""
     save_final: bool = True
     """Save the trained model as a Hugging Face folder in the run folder at the end."""
     output_dir: str = "runs"
@@ -151,16 +169,19 @@ class TrainerConfig:
     project_name: str = "grpo"
     """Project name in the trackers (wandb, swanlab, mlflow experiment)."""
     experiment_name: str = ""
-    """Run folder name (output_dir/experiment_name) and the run's name in the trackers; empty: the preset's name, or
-    `<model>_<data>` without one."""
+    """Run folder name (output_dir/experiment_name) and the run's name in the trackers; empty: the
+    preset's name, or `<model>_<data>` without one."""
     logger: tuple[str, ...] = ("console", "jsonl")
-    """Where metrics go, several at once: console jsonl tensorboard wandb swanlab mlflow (plumbing/trackers.py)."""
+    """Where metrics go, several at once: console jsonl tensorboard wandb swanlab mlflow
+    (plumbing/trackers.py)."""
     verbose: bool = False
-    """Show the libraries' logs, warnings and progress bars from every rank (hidden by default; plumbing/console.py)."""
+    """Show the libraries' logs, warnings and progress bars from every rank (hidden by default;
+    plumbing/console.py)."""
     seed: int = 1
     """Seed of the model-side randomness (data order and sampling have their own seeds)."""
     dist_timeout_minutes: float = 30.0
-    """Timeout of every collective: it must cover rank 0 reading the checkpoint while the others wait."""
+    """Timeout of every collective: it must cover rank 0 reading the checkpoint while the others
+    wait."""
 
 
 @dataclass
@@ -176,22 +197,24 @@ class Config:
 
 
 # ==================================================================================================
-# THE STEP: rollouts, advantages, the update, validation, set-up, the loop; in the order the step calls them
-# (the algorithm's pieces: algorithms.py).
+# THE STEP: rollouts, advantages, the update, validation, set-up, the loop; in the order the
+# step calls them (the algorithm's pieces: algorithms.py).
 # ==================================================================================================
 
 
 def collect_rollouts(rollout, loader: PromptLoader, scoring: Scoring, cfg: Config, version: int,
-                     timer: PhaseTimer, device: torch.device) -> tuple[list[Group], dict, RoundScores]:
+                     timer: PhaseTimer,
+                     device: torch.device) -> tuple[list[Group], dict, RoundScores]:
     """Generate and score rounds of prompts until this rank holds its share of groups.
 
-    One round, unless dynamic sampling or --reward.on-error skip-group drops groups: then more rounds, in lockstep
-    over all ranks, until every rank has rollout_batch_size / world_size kept groups (extras are cut). An estimator
-    that needs a greedy baseline (ReMax) also gets one greedy response per prompt, whose score is that group's
-    baseline. Returns the groups, the sampling stats (and the episodes' numbers: env.episode_metrics), and the round's
-    scores, which the loop gives the groups after the log-prob passes (an async reward runs beside those); where
-    groups were dropped, the reward function's are in them already (dynamic sampling filters on its keys), the
-    reward model's come later in any case.
+    One round, unless dynamic sampling or --reward.on-error skip-group drops groups: then more
+    rounds, in lockstep over all ranks, until every rank has rollout_batch_size / world_size kept
+    groups (extras are cut). An estimator that needs a greedy baseline (ReMax) also gets one greedy
+    response per prompt, whose score is that group's baseline. Returns the groups, the sampling
+    stats (and the episodes' numbers: env.episode_metrics), and the round's scores, which the loop
+    gives the groups after the log-prob passes (an async reward runs beside those); where groups
+    were dropped, the reward function's are in them already (dynamic sampling filters on its keys),
+    the reward model's come later in any case.
     """
     algo = cfg.algorithm
     greedy_baseline = getattr(ADVANTAGE_ESTIMATORS[algo.adv_estimator], "greedy_baseline", False)
@@ -204,7 +227,8 @@ def collect_rollouts(rollout, loader: PromptLoader, scoring: Scoring, cfg: Confi
             responses = rollout.generate(items, version)
             greedy = rollout.generate(items, version, greedy=True) if greedy_baseline else None
         groups, scores = scoring.start(items, responses)
-        if not (algo.online_filtering or skip_failed or greedy):  # nothing drops groups: the scores may come later
+        # nothing drops groups: the scores may come later
+        if not (algo.online_filtering or skip_failed or greedy):
             return groups, {"rollout/sampling_rounds": 1, "rollout/kept_groups_ratio": 1.0,
                             **episode_numbers(groups, device)}, scores
         with timer("reward"):
@@ -214,64 +238,75 @@ def collect_rollouts(rollout, loader: PromptLoader, scoring: Scoring, cfg: Confi
         for group in groups:
             if skip_failed and any(s["failed"] for s in group.scores):
                 skipped += 1
-            elif not algo.online_filtering or keep_group(group.scores, algo.filter_key, algo.filter_low,
-                                                         algo.filter_high):
+            elif not algo.online_filtering or keep_group(group.scores, algo.filter_key,
+                                                         algo.filter_low, algo.filter_high):
                 kept.append(group)
         generated += len(items)
         if all_reduce({"kept": len(kept)}, device, dist.ReduceOp.MIN)["kept"] >= quota:
             break
     else:
-        wanted = ([f"{algo.filter_low} < mean {algo.filter_key} < {algo.filter_high} (dynamic sampling)"]
-                  if algo.online_filtering else []) + (["no failed reward (skip-group)"] if skip_failed else [])
-        raise SystemExit(f"after {algo.max_sampling_rounds} rounds some rank kept fewer than {quota} groups with "
-                         f"{' and '.join(wanted)}. Raise --algorithm.max-sampling-rounds, widen the bounds, fix the "
-                         "reward, or pick an easier start (model, data).")
+        wanted = (([f"{algo.filter_low} < mean {algo.filter_key} < {algo.filter_high} "
+                    "(dynamic sampling)"] if algo.online_filtering else [])
+                  + (["no failed reward (skip-group)"] if skip_failed else []))
+        raise SystemExit(f"after {algo.max_sampling_rounds} rounds some rank kept fewer than "
+                         f"{quota} groups with {' and '.join(wanted)}. Raise "
+                         "--algorithm.max-sampling-rounds, widen the bounds, fix the reward, or "
+                         "pick an easier start (model, data).")
     kept = kept[:quota]
     totals = all_reduce({"kept": len(kept), "generated": generated, "skipped": skipped}, device)
-    return kept, {"rollout/sampling_rounds": rounds, "rollout/kept_groups_ratio": totals["kept"] / totals["generated"],
+    return kept, {"rollout/sampling_rounds": rounds,
+                  "rollout/kept_groups_ratio": totals["kept"] / totals["generated"],
                   "rollout/skipped_groups": totals["skipped"], **episode_numbers(kept, device)}, \
         RoundScores(scoring, pending=None)
 
 
 def episode_numbers(groups: list[Group], device: torch.device) -> dict:
-    """The episodes' metrics (env.episode_metrics) when the responses are multi-turn episodes; none for one turn."""
+    """The episodes' metrics (env.episode_metrics) when the responses are multi-turn episodes;
+    none for one turn."""
     responses = [r for g in groups for r in g.responses]
-    return episode_metrics(responses, device) if responses and responses[0].episode is not None else {}
+    return (episode_metrics(responses, device) if responses and responses[0].episode is not None
+            else {})
 
 
-def advantages(batch: Batch, groups: list[Group], kl: RewardKL, cfg: Config, sp: SequenceParallel) -> dict:
-    """The step's algorithm on its scored groups, into the batch: token rewards (the KL in them, its coefficient
-    adapted in `kl`), the estimator's advantages, and the rollout correction's weights; returns their metrics. With
-    sequence parallelism a group's N ranks hold the same rows, so a sum over ranks counts each once (sum_once)."""
+def advantages(batch: Batch, groups: list[Group], kl: RewardKL, cfg: Config,
+               sp: SequenceParallel) -> dict:
+    """The step's algorithm on its scored groups, into the batch: token rewards (the KL in them, its
+    coefficient adapted in `kl`), the estimator's advantages, and the rollout correction's weights;
+    returns their metrics. With sequence parallelism a group's N ranks hold the same rows, so a sum
+    over ranks counts each once (sum_once)."""
     algo, device, metrics = cfg.algorithm, batch.response_mask.device, {}
     sum_once = sum_over_ranks if sp.size == 1 else lambda x: sum_over_ranks(x) / sp.size
     scores = torch.tensor([s["overall"] for g in groups for s in g.scores], device=device)  # [B]
     if algo.use_kl_in_reward:
         metrics["actor/kl_reward_coef"] = kl.coef
-    rewards, kl.coef = token_rewards(scores, batch.response_mask, batch.old_logprobs, batch.ref_logprobs, algo, kl.coef,
-                                     sum_once)
+    rewards, kl.coef = token_rewards(scores, batch.response_mask, batch.old_logprobs,
+                                     batch.ref_logprobs, algo, kl.coef, sum_once)
     baselines = (torch.tensor([g.baseline for g in groups], device=device)  # [G]
                  if groups[0].baseline is not None else None)
-    batch.advantages = ADVANTAGE_ESTIMATORS[algo.adv_estimator](
-        AdvantageInputs(rewards, batch.response_mask, cfg.rollout.n, baselines, sum_once), algo)  # [B, R]
-    if algo.rollout_correction != "none":  # the engine sampled, the trainer learns: a weight per token
-        batch.rollout_weights = rollout_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, algo)
+    batch.advantages = ADVANTAGE_ESTIMATORS[algo.adv_estimator](  # [B, R]
+        AdvantageInputs(rewards, batch.response_mask, cfg.rollout.n, baselines, sum_once), algo)
+    # the engine sampled, the trainer learns: a weight per token
+    if algo.rollout_correction != "none":
+        batch.rollout_weights = rollout_weights(batch.old_logprobs, batch.rollout_logprobs,
+                                                batch.response_mask, algo)
         truncates = getattr(ROLLOUT_CORRECTIONS[algo.rollout_correction], "truncates", False)
         metrics.update(correction_metrics(batch, algo.correction_high if truncates else None))
     return metrics
 
 
-def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel = NO_SP) -> tuple[dict, torch.Tensor]:
+def backward_mini_batch(model, batch: Batch, cfg: Config,
+                        sp: SequenceParallel = NO_SP) -> tuple[dict, torch.Tensor]:
     """Loss and backward over the micro-batches of one mini-batch (this rank's share of it).
 
-    The accumulated gradient equals that of the whole mini-batch on all ranks at once: every micro-batch's
-    loss is already divided by the global count (aggregate), and FSDP sums gradients over ranks instead of
-    averaging them (fsdp_utils.load_sharded_model). Without old log-probs (`batch.old_logprobs` None: one
-    optimizer step per rollout batch, on-policy) the ratio's old log-probs are this forward's own, detached.
-    Returns sums of per-token statistics (and the token count) for logging, as tensors on the batch's device,
-    and this forward's log-probs [B, R], detached. With sequence parallelism the N ranks of a group hold the same
-    rows, so the global counts are N times the group's and each rank's loss 1/N of it; the log-probs' gather sums
-    the N ranks' gradients back onto the rank that computed each one: every sequence counts once.
+    The accumulated gradient equals that of the whole mini-batch on all ranks at once: every
+    micro-batch's loss is already divided by the global count (aggregate), and FSDP sums gradients
+    over ranks instead of averaging them (fsdp_utils.load_sharded_model). Without old log-probs
+    (`batch.old_logprobs` None: one optimizer step per rollout batch, on-policy) the ratio's old
+    log-probs are this forward's own, detached. Returns sums of per-token statistics (and the token
+    count) for logging, as tensors on the batch's device, and this forward's log-probs [B, R],
+    detached. With sequence parallelism the N ranks of a group hold the same rows, so the global
+    counts are N times the group's and each rank's loss 1/N of it; the log-probs' gather sums the N
+    ranks' gradients back onto the rank that computed each one: every sequence counts once.
     """
     algo = cfg.algorithm
     mask = batch.loss_mask  # [B, R]: without what the rollout correction masked out
@@ -279,14 +314,16 @@ def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel =
     token_sum_norm = algo.token_sum_norm or cfg.rollout.max_response_length
     sums: dict[str, torch.Tensor] = {"tokens": mask.sum()}
     own = torch.zeros_like(mask)  # [B, R], filled micro-batch by micro-batch
-    for rows in micro_batches(batch, cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch):
+    for rows in micro_batches(batch, cfg.actor.micro_batch_size,
+                              cfg.actor.max_tokens_per_micro_batch):
         micro = batch.select(rows)
-        logprobs = response_logprobs(model, micro, cfg.rollout.temperature, cfg.actor.padding_free, sp,
-                                     cfg.rollout.top_k, cfg.rollout.top_p)  # [b, R]
+        logprobs = response_logprobs(model, micro, cfg.rollout.temperature,  # [b, R]
+                                     cfg.actor.padding_free, sp, cfg.rollout.top_k,
+                                     cfg.rollout.top_p)
         own[torch.tensor(rows, device=mask.device)] = logprobs.detach()
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
-        inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages, mask=micro.loss_mask,
-                            rollout_weights=micro.rollout_weights)
+        inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
+                            mask=micro.loss_mask, rollout_weights=micro.rollout_weights)
         loss, stats = POLICY_LOSSES[algo.loss_type](inputs, algo)
         if inputs.rollout_weights is not None:
             loss = loss * inputs.rollout_weights
@@ -304,12 +341,13 @@ def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel =
 
 def update_policy(model, optimizer, batch: Batch, cfg: Config, sp: SequenceParallel = NO_SP
                   ) -> tuple[dict, torch.Tensor]:
-    """PPO epochs x mini-batches, one optimizer step each. Returns the metrics and the log-probs [B, R] of each
-    mini-batch's first forward, before its optimizer step: without `batch.old_logprobs` (on-policy: one epoch,
-    one mini-batch) these are the old log-probs."""
+    """PPO epochs x mini-batches, one optimizer step each. Returns the metrics and the log-probs
+    [B, R] of each mini-batch's first forward, before its optimizer step: without
+    `batch.old_logprobs` (on-policy: one epoch, one mini-batch) these are the old log-probs."""
     mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n * sp.size // dist.get_world_size()
     if batch.old_logprobs is None and (cfg.trainer.ppo_epochs > 1 or len(batch) > mini_batch):
-        raise ValueError("several optimizer steps per rollout batch need the old log-probs computed before the first")
+        raise ValueError("several optimizer steps per rollout batch need the old log-probs "
+                         "computed before the first")
     sums: dict[str, torch.Tensor] = {}
     first_logprobs = torch.zeros_like(batch.response_mask)  # [B, R]
     grad_norms, skipped = [], 0
@@ -322,7 +360,8 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config, sp: SequenceParal
             for key, value in mini_sums.items():
                 sums[key] = sums.get(key, 0.0) + value
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.max_grad_norm)
-            grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+            grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor)
+                         else grad_norm).item()
             if math.isfinite(grad_norm):
                 optimizer.step()
             else:
@@ -331,14 +370,15 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config, sp: SequenceParal
             grad_norms.append(grad_norm)
     totals = all_reduce(sums, batch.response_mask.device)
     metrics = {k: v / totals["tokens"] for k, v in totals.items() if k != "tokens"}
-    metrics.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/optimizer_steps": len(grad_norms),
-                    "actor/skipped_steps": skipped})
+    metrics.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms),
+                    "actor/optimizer_steps": len(grad_norms), "actor/skipped_steps": skipped})
     return metrics, first_logprobs
 
 
-def validate(rollout, val_items, step, scoring: Scoring, device: torch.device) -> tuple[dict, list[dict]]:
-    """Validation metrics over all ranks (mean rewards and lengths; pass@k of each reward key), and this rank's
-    samples (prompt, response, ground truth, scores)."""
+def validate(rollout, val_items, step, scoring: Scoring,
+             device: torch.device) -> tuple[dict, list[dict]]:
+    """Validation metrics over all ranks (mean rewards and lengths; pass@k of each reward key), and
+    this rank's samples (prompt, response, ground truth, scores)."""
     groups = scoring(val_items, rollout.generate(val_items, step, validation=True))
     samples = [{"prompt": g.item["prompt"], "ground_truth": str(g.item["ground_truth"]), "score": s,
                 "response": scoring.tokenizer.decode(r.token_ids, skip_special_tokens=True)}
@@ -347,15 +387,18 @@ def validate(rollout, val_items, step, scoring: Scoring, device: torch.device) -
 
 
 def check_config(cfg: Config, world_size: int) -> None:
-    """Fail before anything is loaded, naming the flag to change (plumbing/cli.py, with this file's registries)."""
-    check_flags(cfg, world_size, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, AdvantageInputs)
+    """Fail before anything is loaded, naming the flag to change (plumbing/cli.py, with
+    algorithms.py's registries)."""
+    check_flags(cfg, world_size, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
+                AdvantageInputs)
 
 
 @dataclass
 class Run:
-    """Where a launch stands once its flags are checked: its run folder, its place among the ranks, its device and
-    sequence-parallel group, the console, the job (model and data: a checkpoint of another job is refused), and the
-    checkpoint it resumes from (None: a fresh run) with its first step."""
+    """Where a launch stands once its flags are checked: its run folder, its place among the ranks,
+    its device and sequence-parallel group, the console, the job (model and data: a checkpoint of
+    another job is refused), and the checkpoint it resumes from (None: a fresh run) with its first
+    step."""
 
     folder: Path
     rank: int
@@ -371,8 +414,9 @@ class Run:
 
 
 def open_run(cfg: Config) -> Run | None:
-    """Check the flags, join the process group, find the checkpoint to resume from and make the run folder ready
-    (an evaluation leaves it as it is); None when there is nothing left to do (said)."""
+    """Check the flags, join the process group, find the checkpoint to resume from and make the run
+    folder ready (an evaluation leaves it as it is);
+    None when there is nothing left to do (said)."""
     quiet_libraries(cfg.trainer.verbose)
     vllm_environment()
     from rich.console import Console
@@ -384,33 +428,43 @@ def open_run(cfg: Config) -> Run | None:
         check_output_folder(folder / "final", overwrite=True, what="the run's final model folder")
     model_path = resolve_model(cfg.actor.model_path, cfg.trainer.output_dir)
     reward_model_path = resolve_model(cfg.reward.model, cfg.trainer.output_dir)  # "" without one
-    rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes, cfg.actor.fsdp_cpu_offload)
+    rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes,
+                                           cfg.actor.fsdp_cpu_offload)
     dist.barrier()  # every node's tiny model is written
-    check_model_source(model_path, cfg.actor.model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+    check_model_source(model_path, cfg.actor.model_path,
+                       cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     if reward_model_path:  # as the actor's: one line, not transformers' traceback
         check_model_exists(reward_model_path, f"--reward.model {cfg.reward.model}")
     sp = SequenceParallel.build(cfg.actor.sequence_parallel_size, model_path)
     torch.manual_seed(cfg.trainer.seed)
     console = Console(quiet=rank != 0, soft_wrap=True)
-    job = {"model": cfg.actor.model_path, "data": cfg.data.train_files}  # a checkpoint of another job is refused
-    if not cfg.trainer.val_only:  # one launch trains in a run folder at a time (an evaluation only reads it)
+    # a checkpoint of another job is refused
+    job = {"model": cfg.actor.model_path, "data": cfg.data.train_files}
+    # one launch trains in a run folder at a time (an evaluation only reads it)
+    if not cfg.trainer.val_only:
         hold_run_folder(folder)
-    start = agree_on_resume_point(folder, cfg.trainer.resume, job, dataclasses.asdict(cfg))  # None: a fresh run
+    # None: a fresh run
+    start = agree_on_resume_point(folder, cfg.trainer.resume, job, dataclasses.asdict(cfg))
     first_step = read_state(start)["step"] + 1 if start is not None else 1
     final_written = not cfg.trainer.save_final or (folder / "final" / HF_MARKER).is_file()
-    if first_step > cfg.trainer.total_steps and final_written and not cfg.trainer.val_only:  # nothing to do, record
-        console.print(f"nothing to train: {folder} is at step {first_step - 1} of --trainer.total-steps "
-                      f"{cfg.trainer.total_steps}; raise it to train on, or choose another --trainer.experiment-name")
+    # nothing to do, record
+    if first_step > cfg.trainer.total_steps and final_written and not cfg.trainer.val_only:
+        console.print(f"nothing to train: {folder} is at step {first_step - 1} of "
+                      f"--trainer.total-steps {cfg.trainer.total_steps}; raise it to train on, or "
+                      "choose another --trainer.experiment-name")
         dist.destroy_process_group()
         return None
-    if rank == 0:  # the folder made ready to train in; an evaluation leaves it as it is and says what it evaluates
+    # the folder made ready to train in; an evaluation leaves it as it is and says what it evaluates
+    if rank == 0:
         prepare_run_folder(folder, dataclasses.asdict(cfg), start, say=console.print)
     INTERRUPT_NOTES.append(lambda: stop_note(folder))  # a Ctrl-C says where the run stands
-    return Run(folder, rank, world, device, sp, console, job, start, first_step, model_path, reward_model_path)
+    return Run(folder, rank, world, device, sp, console, job, start, first_step, model_path,
+               reward_model_path)
 
 
 def evaluate(cfg: Config, run: Run, rollout, val_set, val_items: list, scoring: Scoring) -> None:
-    """--trainer.val-only: the loaded weights validated, every sample and the metrics to the run folder's eval/."""
+    """--trainer.val-only: the loaded weights validated, every sample and the metrics to the run
+    folder's eval/."""
     metrics, samples = validate(rollout, val_items, run.first_step - 1, scoring, run.device)
     write_evaluation(run.folder, run.first_step - 1, to_floats(metrics), samples, run.console.print,
                      data=val_set.name, model=cfg.actor.model_path, checkpoint=str(run.start or ""),
@@ -420,7 +474,8 @@ def evaluate(cfg: Config, run: Run, rollout, val_set, val_items: list, scoring: 
 
 
 def main(cfg: Config) -> None:
-    run = open_run(cfg)  # flags checked, process group joined, the run folder ready, the checkpoint to resume from
+    # flags checked, process group joined, the run folder ready, the checkpoint to resume from
+    run = open_run(cfg)
     if run is None:
         return
     from transformers import AutoConfig, AutoProcessor, AutoTokenizer
@@ -429,110 +484,111 @@ def main(cfg: Config) -> None:
 
     # ---- data, reward, models, engine ------------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(run.model_path)
-    # a vision-language model's processor renders prompts with images and knows what an image costs in tokens
+    # a vision-language model's processor renders prompts with images and knows what an image
+    # costs in tokens
     vision_language = is_vision_language(AutoConfig.from_pretrained(run.model_path))
     processor = AutoProcessor.from_pretrained(run.model_path) if vision_language else None
-    episodes = episodes_of(cfg.rollout, cfg.tools, processor)  # multi-turn episodes against an environment
-    schemas, open_turn = (episodes.schemas or None, episodes.opens_prompt) if episodes else (None, False)
-    train_set, val_set = load_datasets(cfg.data, tokenizer, processor, console.print, schemas, open_turn)
-    check_data(cfg, train_set, val_set, run.world)
+    # multi-turn episodes against an environment
+    episodes = episodes_of(cfg.rollout, cfg.tools, processor)
+    train_set, val_set, loader, val_items = load_data(cfg, run, tokenizer, processor, episodes)
     console.print(attention_line(device))
-    loader = PromptLoader(train_set, cfg.trainer.rollout_batch_size, run.rank, run.world, cfg.data.seed,
-                          cfg.data.shuffle)
-    val_items = shard(val_set, run.rank, run.world) if val_set else []
-    if device.type == "cuda":  # refuse a run that cannot fit now, not with an out-of-memory error minutes later
+    # refuse a run that cannot fit now, not with an out-of-memory error minutes later
+    if device.type == "cuda":
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
         console.print(check_run_memory(cfg, run.model_path, run.world, gpu_bytes).summary())
     uses_kl = algo.use_kl_loss or algo.use_kl_in_reward
-    actor, ref = load_actor_and_reference(cfg.actor, cfg.lora, run.model_path, device, uses_kl and not
-                                          cfg.trainer.val_only, vision_language, console.print,  # none to evaluate
-                                          videos=train_set.has_videos or bool(val_set and val_set.has_videos))
-    optimizer = build_optimizer(actor.parameters(), cfg.actor.optimizer, cfg.actor.lr, cfg.actor.betas,
-                                cfg.actor.weight_decay)
-    scheduler = build_scheduler(optimizer, cfg.actor.warmup_steps, cfg.actor.lr_schedule, cfg.actor.min_lr_ratio,
-                                cfg.trainer.total_steps)
+    actor, ref = load_actor_and_reference(
+        cfg.actor, cfg.lora, run.model_path, device,
+        uses_kl and not cfg.trainer.val_only,  # none to evaluate
+        vision_language, console.print,
+        videos=train_set.has_videos or bool(val_set and val_set.has_videos))
+    optimizer = build_optimizer(actor.parameters(), cfg.actor.optimizer, cfg.actor.lr,
+                                cfg.actor.betas, cfg.actor.weight_decay)
+    scheduler = build_scheduler(optimizer, cfg.actor.warmup_steps, cfg.actor.lr_schedule,
+                                cfg.actor.min_lr_ratio, cfg.trainer.total_steps)
     kl = RewardKL(algo.kl_coef)  # the KL-in-reward coefficient, adapted step by step (adaptive KL)
     if start is not None and cfg.trainer.val_only:
         load_model(start, actor)
     elif start is not None:  # everything a step depends on, as it was after the checkpoint's step
         kl.load_state_dict(resume(start, actor, optimizer, scheduler, loader, console.print))
-    reward_model = (load_reward_model(run.reward_model_path, device, tokenizer, cfg.actor.fsdp_cpu_offload)
-                    if run.reward_model_path else None)
-    scoring = Scoring(RewardFunction(cfg.reward, cfg.rollout.max_response_length, report=report_once), tokenizer,
-                      reward_model and functools.partial(reward_model_scores, reward_model, processor,
-                                                         tokenizer.pad_token_id, device, cfg.actor),
-                      cfg.reward.weights)
-    training_state = TrainingState([m for m in (actor, ref, reward_model) if m is not None], optimizer, device,
-                                   offload=cfg.actor.offload_while_generating)
-    rollout = start_engine(cfg.rollout, run.model_path, cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+    scoring, reward_model = scoring_of(cfg, run, tokenizer, processor)  # the function, the model
+    training_state = TrainingState([m for m in (actor, ref, reward_model) if m is not None],
+                                   optimizer, device, offload=cfg.actor.offload_while_generating)
+    rollout = start_engine(cfg.rollout, run.model_path,
+                           cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                            actor, training_state, run.first_step - 1 if start is not None else None)
     if episodes:  # the engine, playing whole episodes
-        rollout = EpisodeRollout(rollout, cfg.rollout, episodes.environment, tokenizer, processor, device,
-                                 episodes.opens_prompt, episodes.schemas)
+        rollout = EpisodeRollout(rollout, cfg.rollout, episodes.environment, tokenizer, processor,
+                                 device, episodes.opens_prompt, episodes.schemas)
     if cfg.trainer.val_only:
         return evaluate(cfg, run, rollout, val_set, val_items, scoring)
-    # one optimizer step per rollout batch: the old log-probs are the update's own, no pass of their own (TRL's way)
-    on_policy = (cfg.trainer.ppo_epochs == 1 and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
-                 and not algo.use_kl_in_reward and algo.rollout_correction == "none")
-    engine_old = algo.old_logprobs == "engine"  # the engine's log-probs are the old ones: no pass either
-    mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n * sp.size // run.world  # sequences a rank trains on
-    passes = dict(temperature=cfg.rollout.temperature, micro_batch_size=cfg.actor.micro_batch_size,  # per optimizer
-                  max_tokens=cfg.actor.max_tokens_per_micro_batch, padding_free=cfg.actor.padding_free, sp=sp,  # step
-                  top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
-    trackers = Trackers(list(cfg.trainer.logger) if run.rank == 0 else [], run.folder, dataclasses.asdict(cfg),
-                        cfg.trainer.project_name, cfg.trainer.experiment_name, resume_step=run.first_step - 1)
-    progress = RunProgress(console, cfg.trainer.total_steps, run.first_step, "console" in cfg.trainer.logger)
-    if val_set and cfg.trainer.val_before_train and start is None:  # every rank, with prompts or not
-        val_metrics, samples = validate(rollout, val_items, 0, scoring, device)
-        val_metrics = to_floats(val_metrics)
-        trackers.log(val_metrics, 0, samples[:4])
-        console.print("validation before training: " + json.dumps({k: round(v, 4) for k, v in val_metrics.items()}))
+    on_policy = on_policy_update(cfg)  # the old log-probs are the update's own: no pass of theirs
+    # the engine's log-probs are the old ones: no pass either
+    engine_old = algo.old_logprobs == "engine"
+    # sequences a rank trains on per optimizer step
+    mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n * sp.size // run.world
+    passes = pass_settings(cfg, sp)  # how the no-grad log-prob passes run
+    trackers = Trackers(list(cfg.trainer.logger) if run.rank == 0 else [], run.folder,
+                        dataclasses.asdict(cfg), cfg.trainer.project_name,
+                        cfg.trainer.experiment_name, resume_step=run.first_step - 1)
+    progress = RunProgress(console, cfg.trainer.total_steps, run.first_step,
+                           "console" in cfg.trainer.logger)
+    if val_set and cfg.trainer.val_before_train and start is None:  # every rank, prompts or not
+        validate_first(rollout, val_items, scoring, device, trackers, console)
     with progress:
         for step in range(run.first_step, cfg.trainer.total_steps + 1):
             timer = PhaseTimer(device)
 
-            # ---- generate + score (more rounds when dynamic sampling drops groups) ------------------------
-            groups, metrics, scores = collect_rollouts(rollout, loader, scoring, cfg, step - 1, timer, device)
+            # ---- generate + score (more rounds when dynamic sampling drops groups) ---------------
+            groups, metrics, scores = collect_rollouts(rollout, loader, scoring, cfg, step - 1,
+                                                       timer, device)
             rollout.sleep()
             training_state.to_device()
-            with timer("reward"):  # sequence parallelism: each rank's rollouts scored, then shared in its group
+            # sequence parallelism: each rank's rollouts scored, then shared in its group
+            with timer("reward"):
                 groups = sp.share(groups, scores)
             batch = batch_of(groups, processor, tokenizer.pad_token_id, device)
 
-            # ---- log-probs ---------------------------------------------------------------------------
+            # ---- log-probs -----------------------------------------------------------------------
             with timer("old_logprob"):  # on-policy: the update's own forward gives them
                 batch.old_logprobs = (batch.rollout_logprobs if engine_old else None if on_policy
                                       else batched_logprobs(actor, batch, **passes))
             if uses_kl:  # no KL: no reference pass (and no timing/ref_logprob)
                 with timer("ref_logprob"), adapters_off(actor) if ref is None else nullcontext():
-                    batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch, **passes)
+                    batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch,
+                                                          **passes)
 
-            # ---- token rewards, advantages ---------------------------------------------------------------
-            with timer("reward"):  # what an async reward has left (it ran beside the passes above), the model's pass
+            # ---- token rewards, advantages -------------------------------------------------------
+            # what an async reward has left (it ran beside the passes above), the model's pass
+            with timer("reward"):
                 scores.give(groups, batch)
             metrics.update(advantages(batch, groups, kl, cfg, sp))
 
-            # ---- update ------------------------------------------------------------------------------
+            # ---- update --------------------------------------------------------------------------
             if cfg.actor.balance_ranks and run.world > sp.size:  # over the data-parallel ranks
                 with timer("balance"):
-                    batch = balance_over_ranks(batch, mini_batch, tokenizer.pad_token_id, sp.data_parallel)
-            if cfg.rollout.staleness:  # the engine takes the weights the update starts from: a step behind at the next
+                    batch = balance_over_ranks(batch, mini_batch, tokenizer.pad_token_id,
+                                               sp.data_parallel)
+            # the engine takes the weights the update starts from: a step behind at the next
+            if cfg.rollout.staleness:
                 with timer("sync"):
                     rollout.sync_weights(actor, version=step - 1)
             with timer("update"):
                 update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg, sp)
                 scheduler.step()
-            if on_policy or engine_old:  # for the gap metrics: the trainer's log-probs before its update
+            # for the gap metrics: the trainer's log-probs before its update
+            if on_policy or engine_old:
                 batch.old_logprobs = first_logprobs
             metrics.update(update_metrics)
             metrics.update(logprob_metrics(batch))
 
-            # ---- sync the engine ---------------------------------------------------------------------
-            with timer("sync"):  # the training state leaves the GPU (offload) before the engine's KV cache wakes
+            # ---- sync the engine -----------------------------------------------------------------
+            # the training state leaves the GPU (offload) before the engine's KV cache wakes
+            with timer("sync"):
                 if not cfg.rollout.staleness:
                     rollout.sync_weights(actor, version=step, on_loaded=training_state.to_host)
 
-            # ---- validate, log, save -----------------------------------------------------------------
+            # ---- validate, log, save -------------------------------------------------------------
             metrics.update(score_metrics("train", groups, device))
             metrics["actor/lr"] = scheduler.get_last_lr()[0]
             samples = []
@@ -542,39 +598,111 @@ def main(cfg: Config) -> None:
                     val_metrics, samples = validate(rollout, val_items, step, scoring, device)
                     metrics.update(val_metrics)
             metrics = step_totals(metrics, timer, sum(batch.sequence_lengths) / sp.size, device)
-            trackers.log(metrics, step, samples[:4])  # before the checkpoint: a resume from it never misses this
+            # before the checkpoint: a resume from it never misses this
+            trackers.log(metrics, step, samples[:4])
             progress.step(step, metrics)
             if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or last):
-                save_checkpoint(run.folder, step, actor, optimizer,
-                                {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                                 **kl.state_dict(), "score": metrics.get(cfg.trainer.best_metric), **run.job},
-                                model_only=cfg.trainer.save_model_only, save_limit=cfg.trainer.save_limit,
-                                best_metric=cfg.trainer.best_metric, say=progress.print)
+                state = {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                         **kl.state_dict(), "score": metrics.get(cfg.trainer.best_metric),
+                         **run.job}
+                save(cfg, run, step, actor, optimizer, state, say=progress.print)
     finish(cfg, run, actor, processor or tokenizer, progress, trackers, rollout)
 
 
+def load_data(cfg: Config, run: Run, tokenizer, processor, episodes) -> tuple:
+    """The training and validation datasets (rendered for the episodes' environment and tools, if
+    any: env.Episodes), checked for the run's features (check_data), the training loader and this
+    rank's share of the validation prompts."""
+    schemas, open_turn = ((episodes.schemas or None, episodes.opens_prompt) if episodes
+                          else (None, False))
+    train_set, val_set = load_datasets(cfg.data, tokenizer, processor, run.console.print, schemas,
+                                       open_turn)
+    check_data(cfg, train_set, val_set, run.world)
+    loader = PromptLoader(train_set, cfg.trainer.rollout_batch_size, run.rank, run.world,
+                          cfg.data.seed, cfg.data.shuffle)
+    return train_set, val_set, loader, shard(val_set, run.rank, run.world) if val_set else []
+
+
+def scoring_of(cfg: Config, run: Run, tokenizer, processor) -> tuple[Scoring, Any]:
+    """What scores the rollouts (rewards.Scoring): the reward function, and the reward model when
+    --reward.model names one (loaded here, sharded as the reference; returned too: None without
+    one)."""
+    reward_model = (load_reward_model(run.reward_model_path, run.device, tokenizer,
+                                      cfg.actor.fsdp_cpu_offload)
+                    if run.reward_model_path else None)
+    scoring = Scoring(
+        RewardFunction(cfg.reward, cfg.rollout.max_response_length, report=report_once), tokenizer,
+        reward_model and functools.partial(reward_model_scores, reward_model, processor,
+                                           tokenizer.pad_token_id, run.device, cfg.actor),
+        cfg.reward.weights)
+    return scoring, reward_model
+
+
+def on_policy_update(cfg: Config) -> bool:
+    """One optimizer step per rollout batch, nothing computed from the old log-probs before it (no
+    KL in the reward, no rollout correction): the old log-probs are the update's own forward's, no
+    pass of their own (TRL's way)."""
+    algo = cfg.algorithm
+    return (cfg.trainer.ppo_epochs == 1
+            and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
+            and not algo.use_kl_in_reward and algo.rollout_correction == "none")
+
+
+def pass_settings(cfg: Config, sp: SequenceParallel) -> dict:
+    """How the no-grad log-prob passes (old, reference) run: the sampling's temperature, top-k and
+    top-p, the actor's micro-batches and packing, the sequence-parallel group
+    (logprobs.batched_logprobs)."""
+    return dict(temperature=cfg.rollout.temperature, micro_batch_size=cfg.actor.micro_batch_size,
+                max_tokens=cfg.actor.max_tokens_per_micro_batch,
+                padding_free=cfg.actor.padding_free, sp=sp, top_k=cfg.rollout.top_k,
+                top_p=cfg.rollout.top_p)
+
+
+def validate_first(rollout, val_items: list, scoring: Scoring, device, trackers, console) -> None:
+    """Validation before the first step, logged as step 0 and said on the console."""
+    val_metrics, samples = validate(rollout, val_items, 0, scoring, device)
+    val_metrics = to_floats(val_metrics)
+    trackers.log(val_metrics, 0, samples[:4])
+    console.print("validation before training: "
+                  + json.dumps({k: round(v, 4) for k, v in val_metrics.items()}))
+
+
+def save(cfg: Config, run: Run, step: int, actor, optimizer, state: dict, say) -> None:
+    """Step `step`'s checkpoint, with the trainer's `state` (scheduler, loader, the KL coefficient,
+    the score that ranks it, the job), under the save limit (plumbing/checkpoints.py)."""
+    save_checkpoint(run.folder, step, actor, optimizer, state,
+                    model_only=cfg.trainer.save_model_only, save_limit=cfg.trainer.save_limit,
+                    best_metric=cfg.trainer.best_metric, say=say)
+
+
 def check_data(cfg: Config, train_set, val_set, world: int) -> None:
-    """What the datasets must hold for the run's features, said before any model loads: an environment's reset finds
-    its arguments among the columns; an evaluation has validation data; a reward model's pass over the validation
-    samples is collective, so every rank needs one."""
-    if cfg.rollout.env:  # its reset's arguments among the dataset's columns, its instances made with no arguments
-        check_environment(environment_class(cfg.rollout.env), train_set.rows.column_names, cfg.rollout.env)
+    """What the datasets must hold for the run's features, said before any model loads: an
+    environment's reset finds its arguments among the columns; an evaluation has validation data; a
+    reward model's pass over the validation samples is collective, so every rank needs one."""
+    # its reset's arguments among the dataset's columns, its instances made with no arguments
+    if cfg.rollout.env:
+        check_environment(environment_class(cfg.rollout.env), train_set.rows.column_names,
+                          cfg.rollout.env)
     if cfg.trainer.val_only and not val_set:
-        raise SystemExit("--trainer.val-only: no validation data (the training data has no test or validation split); "
-                         "name it with --data.val-files")
+        raise SystemExit("--trainer.val-only: no validation data (the training data has no test or "
+                         "validation split); name it with --data.val-files")
     if cfg.reward.model and val_set and len(val_set) < world:
-        raise SystemExit(f"--reward.model: {len(val_set)} validation prompts on {world} ranks; every rank needs one")
+        raise SystemExit(f"--reward.model: {len(val_set)} validation prompts on {world} ranks; "
+                         "every rank needs one")
 
 
-def finish(cfg: Config, run: Run, actor, processing, progress: RunProgress, trackers: Trackers, rollout) -> None:
-    """After the last step: the trained model as a Hugging Face folder (with its tokenizer or processor:
-    `processing`), the run's summary, and everything closed in an order that works."""
+def finish(cfg: Config, run: Run, actor, processing, progress: RunProgress, trackers: Trackers,
+           rollout) -> None:
+    """After the last step: the trained model as a Hugging Face folder (with its tokenizer or
+    processor: `processing`), the run's summary, and everything closed in an order that works."""
     if cfg.trainer.save_final:
         save_hf_model(actor, processing, run.folder / "final", run.device, overwrite=True,
-                      what="the run's final model folder", if_full="the trained weights are in the last checkpoint: "
-                      "free some space and launch the same command to write it" if cfg.trainer.save_freq
-                      else "the run saved no checkpoint (--trainer.save-freq 0)")
-        run.console.print(f"saved the trained model to {run.folder / 'final'} (a Hugging Face folder)")
+                      what="the run's final model folder",
+                      if_full=("the trained weights are in the last checkpoint: free some space "
+                               "and launch the same command to write it" if cfg.trainer.save_freq
+                               else "the run saved no checkpoint (--trainer.save-freq 0)"))
+        run.console.print(f"saved the trained model to {run.folder / 'final'} "
+                          "(a Hugging Face folder)")
     progress.summary(run.folder)
     trackers.close()
     dist.barrier()
@@ -584,13 +712,16 @@ def finish(cfg: Config, run: Run, actor, processing, progress: RunProgress, trac
 
 
 def parse_config(argv: list[str]) -> Config:
-    """`[PRESET] [--flags]`: a preset is a YAML file (or its name in configs/) overriding the defaults."""
-    cfg, preset = parse_command_line(Config, argv, Path(__file__).parent / "configs", "grpo.py [PRESET]", (
-        "GRPO-style RL with an FSDP2 actor and vLLM. PRESET: a file of configs/ ({presets}) or a .yaml path; flags "
-        "override it. Tiny random models (no download): --actor.model-path tiny:ARCH, ARCH one of "
-        f"{', '.join(sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES))}; with Qwen2.5's real vocabulary "
-        f"{', '.join(REAL_VOCABULARY)}. Advantage estimators: {', '.join(ADVANTAGE_ESTIMATORS)}. Policy losses: "
-        f"{', '.join(POLICY_LOSSES)}."))
+    """`[PRESET] [--flags]`: a preset is a YAML file (or its name in configs/) overriding the
+    defaults."""
+    cfg, preset = parse_command_line(
+        Config, argv, Path(__file__).parent / "configs", "grpo.py [PRESET]",
+        "GRPO-style RL with an FSDP2 actor and vLLM. PRESET: a file of configs/ ({presets}) or a "
+        ".yaml path; flags override it. Tiny random models (no download): --actor.model-path "
+        "tiny:ARCH, ARCH one of "
+        f"{', '.join(sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES))}; with Qwen2.5's real "
+        f"vocabulary {', '.join(REAL_VOCABULARY)}. Advantage estimators: "
+        f"{', '.join(ADVANTAGE_ESTIMATORS)}. Policy losses: {', '.join(POLICY_LOSSES)}.")
     if not cfg.trainer.experiment_name:
         data_path = parse_spec(cfg.data.train_files)[0]
         cfg.trainer.experiment_name = preset or default_run_name(cfg.actor.model_path, data_path)

@@ -1,23 +1,28 @@
-"""LoRA through peft: the adapters, the reference model as the adapters switched off, and the adapted weights as
-one Hugging Face model for the engine and for saving.
+"""LoRA through peft: the adapters, the reference model as the adapters switched off, and the
+adapted weights as one Hugging Face model for the engine and for saving.
 
-    --lora.rank 16 --lora.alpha 32                       # every linear layer of the language model
-    --lora.rank 64 --lora.exclude-modules '.*visual.*'   # a vision-language model, its vision tower left alone
+    # every linear layer of the language model
+    --lora.rank 16 --lora.alpha 32
+    # a vision-language model, its vision tower left alone
+    --lora.rank 64 --lora.exclude-modules '.*visual.*'
 
 Design decisions:
-- peft wraps the model on the meta device, before FSDP2 shards it (fsdp_utils.load_sharded_model): rank 0
-  builds the same wrapped model with real weights (peft's initialisation: A random, B zero, so the adapted
-  model starts as the base) and broadcasts it, names and all. Only the adapters require gradients, so only
-  they are in the optimizer; the base weights never change (bitwise: tested).
+- peft wraps the model on the meta device, before FSDP2 shards it (fsdp_utils.load_sharded_model):
+  rank 0 builds the same wrapped model with real weights (peft's initialisation: A random, B zero,
+  so the adapted model starts as the base) and broadcasts it, names and all. Only the adapters
+  require gradients, so only they are in the optimizer; the base weights never change (bitwise:
+  tested).
 - The reference model is the actor with its adapters switched off (`adapters_off`, peft's
   `disable_adapter`): no second model in memory.
 - The engine gets the adapted weights merged, W + (alpha / rank) B A, computed while streaming
-  (`merged_weights`) from the gathered shards, one layer at a time. Nothing is merged into the model itself, so
-  there is no merge/unmerge cycle whose rounding could drift the base weights over many steps, and vLLM needs
-  no LoRA support (its LoRA path would also need the adapter saved and reloaded at every step). The engine's
-  log-probs then follow the adapted model as closely as they follow a full-parameter one (tested).
-- The same merged weights, under the base model's own names, are what `fsdp_utils.save_hf_model` writes:
-  the trained folder is a plain Hugging Face model (scripts/merge.py does the same from a checkpoint).
+  (`merged_weights`) from the gathered shards, one layer at a time. Nothing is merged into the
+  model itself, so there is no merge/unmerge cycle whose rounding could drift the base weights over
+  many steps, and vLLM needs no LoRA support (its LoRA path would also need the adapter saved and
+  reloaded at every step). The engine's log-probs then follow the adapted model as closely as they
+  follow a full-parameter one (tested).
+- The same merged weights, under the base model's own names, are what `fsdp_utils.save_hf_model`
+  writes: the trained folder is a plain Hugging Face model (scripts/merge.py does the same from a
+  checkpoint).
 """
 
 from collections.abc import Iterator
@@ -39,21 +44,25 @@ class LoRAConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input."""
     target_modules: tuple[str, ...] = ("all-linear",)
-    """Module names (or suffixes) that get adapters; all-linear: every linear layer but the output head."""
+    """Module names (or suffixes) that get adapters; all-linear: every linear layer but the output
+    head."""
     exclude_modules: str = ""
-    """Regex of module names left without adapters (e.g. '.*visual.*': a vision-language model's vision tower)."""
+    """Regex of module names left without adapters (e.g. '.*visual.*': a vision-language model's
+    vision tower)."""
 
 
 def add_adapters(model, cfg: LoRAConfig):
-    """The model wrapped by peft with LoRA adapters (works on the meta device); only the adapters train."""
+    """The model wrapped by peft with LoRA adapters (works on the meta device); only the adapters
+    train."""
     from peft import LoraConfig, get_peft_model
 
     if "lm_head" in cfg.target_modules and getattr(model.config, "tie_word_embeddings", False):
-        raise ValueError("--lora.target-modules lm_head: this model's output head is its input embedding (tied "
-                         "weights), which an adapter on the head would untie; leave lm_head out")
+        raise ValueError("--lora.target-modules lm_head: this model's output head is its input "
+                         "embedding (tied weights), which an adapter on the head would untie; "
+                         "leave lm_head out")
     targets = "all-linear" if cfg.target_modules == ("all-linear",) else list(cfg.target_modules)
-    peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                             exclude_modules=cfg.exclude_modules or None)
+    peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                             target_modules=targets, exclude_modules=cfg.exclude_modules or None)
     return get_peft_model(model, peft_config)
 
 
@@ -67,40 +76,48 @@ def base_of(model):
 
 
 def adapters_off(model):
-    """Context: the model's forward is the base model's (peft's disable_adapter); a no-op for a model without."""
+    """Context: the model's forward is the base model's (peft's disable_adapter); a no-op for a
+    model without."""
     return model.disable_adapter() if has_adapters(model) else nullcontext()
 
 
 def base_name(name: str) -> str:
-    """peft's parameter name -> the base model's: 'base_model.model.model.layers.0.mlp.up_proj.base_layer.weight'
+    """peft's parameter name -> the base model's:
+    'base_model.model.model.layers.0.mlp.up_proj.base_layer.weight'
     -> 'model.layers.0.mlp.up_proj.weight'."""
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def _full(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A parameter's full tensor: its shard moved to the training device (NCCL gathers GPU tensors only; under
-    FSDP2's CPU offload the shard lives on the host), cast to `dtype` if given, then gathered."""
+def _full(tensor: torch.Tensor, device: torch.device,
+          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A parameter's full tensor: its shard moved to the training device (NCCL gathers GPU tensors
+    only; under FSDP2's CPU offload the shard lives on the host), cast to `dtype` if given, then
+    gathered."""
     shard = tensor.to(device=device, dtype=dtype or tensor.dtype)
     return shard.full_tensor() if isinstance(shard, DTensor) else shard
 
 
 @torch.no_grad()
-def merged_weights(model, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(base model name, full tensor in `dtype`) of the adapted model, W + (alpha / rank) B A for every layer with
-    an adapter, one parameter at a time. Every rank must consume the whole stream in the same order (each gather
-    is a collective). The model itself is not changed.
+def merged_weights(model, dtype: torch.dtype,
+                   device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base model name, full tensor in `dtype`) of the adapted model, W + (alpha / rank) B A for
+    every layer with an adapter, one parameter at a time. Every rank must consume the whole stream
+    in the same order (each gather is a collective). The model itself is not changed.
 
-    W is gathered in its stored dtype (bf16 on GPU: half the bytes of fp32) and upcast after, for the sum in fp32;
-    the other weights are cast to `dtype` before their gather, as in a full-parameter stream.
+    W is gathered in its stored dtype (bf16 on GPU: half the bytes of fp32) and upcast after, for
+    the sum in fp32; the other weights are cast to `dtype` before their gather, as in a
+    full-parameter stream.
     """
     layers = {name: module for name, module in model.named_modules() if hasattr(module, "lora_A")}
     for name, param in model.named_parameters():
         if ".lora_A." in name or ".lora_B." in name:
             continue
-        if name.endswith(".base_layer.weight") and name.removesuffix(".base_layer.weight") in layers:
+        if (name.endswith(".base_layer.weight")
+                and name.removesuffix(".base_layer.weight") in layers):
             layer = layers[name.removesuffix(".base_layer.weight")]
             a = _full(layer.lora_A[ADAPTER].weight, device).float()  # [rank, in]
             b = _full(layer.lora_B[ADAPTER].weight, device).float()  # [out, rank]
-            yield base_name(name), (_full(param, device).float() + layer.scaling[ADAPTER] * (b @ a)).to(dtype)
+            yield base_name(name), (_full(param, device).float()
+                                    + layer.scaling[ADAPTER] * (b @ a)).to(dtype)
         else:
             yield base_name(name), _full(param, device, dtype)

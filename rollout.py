@@ -1,34 +1,39 @@
-"""The rollout engines: sample responses for the trainer, with their log-probs, from the current weights.
+"""The rollout engines: sample responses for the trainer, with their log-probs, from the
+current weights.
 
 Two engines behind one contract (`build_rollout`; `generate`, `sync_weights`, `sleep`, `shutdown`,
 `weights_version`), chosen with `--rollout.engine`:
 - `vllm` (`VLLMRollout`): a vLLM engine inside every training process. Fast; the default.
-- `hf` (`HFRollout`): transformers' `generate` on the trainer's own FSDP2 model, text and images. Slower, but runs
-  wherever the trainer runs: a GPU box without vLLM, Apple or AMD hardware, an architecture vLLM lacks; and it is
-  a second opinion when debugging the vLLM path.
+- `hf` (`HFRollout`): transformers' `generate` on the trainer's own FSDP2 model, text, images and
+  videos.
+  Slower, but runs wherever the trainer runs: a GPU box without vLLM, Apple or AMD hardware, an
+  architecture vLLM lacks; and it is a second opinion when debugging the vLLM path.
 
 Lifecycle per training step:
-    sync_weights(model, step) -> generate -> sleep -> (the trainer trains) -> sync_weights(model, step + 1) ...
+    sync_weights(model, step) -> generate -> sleep -> (the trainer trains)
+    -> sync_weights(model, step + 1) ...
 Design decisions:
 - One explicit record of what the engine holds: `weights_version` is the training step whose weights
   were last loaded (0 = the checkpoint on disk). `generate` refuses to run on weights older than the
-  trainer's, which is how a stale engine would otherwise slip through silently.
-- Log-probs are those of the distribution actually sampled from (after temperature, top-k, top-p), the
-  quantity the trainer recomputes, so their gap measures engine staleness and numerics. With top_p < 1
-  or top_k > 0 the engines renormalise over the kept tokens, and the trainer over the same ones
-  (logprobs.sampled_support).
-- Every generate call samples from its own RNG streams (torch's and numpy's: vLLM's two model runners read one
-  each), seeded from (seed, engine, step, purpose, call index) and swapped in around the call (`sampling_rng`):
-  the ranks of a tensor-parallel engine then draw identical
-  samples whatever else touched the global RNG (a user's reward function, say), a rerun (or a resumed run)
-  draws the same samples, and the trainer's own RNG is left as it was.
-- LoRA (lora.py): the engine gets the adapted weights merged, W + (alpha / rank) B A, in the same in-place
-  stream as a full-parameter run's weights (fsdp_utils.stream_full_weights), rather than the adapter through
-  vLLM's LoRA support. Correct by construction (the engine holds exactly the adapted model; the gap stays at
-  the full-parameter level) and free of a merge/unmerge cycle on the trainer's weights; vLLM's LoRA path
-  would need its adapter saved and reloaded each step and LoRA kernels in every forward. Not measured
-  against each other: the CPU build cannot show the GPU trade-off (shipping a small adapter against
-  streaming the whole model), which favours vLLM's path for large models.
+  trainer's (by more than --rollout.staleness steps), which is how a stale engine would otherwise
+  slip through silently.
+- Log-probs are those of the distribution actually sampled from (after temperature, top-k, top-p),
+  the quantity the trainer recomputes, so their gap measures engine staleness and numerics. With
+  top_p < 1 or top_k > 0 the engines renormalise over the kept tokens, and the trainer over the same
+  ones (logprobs.sampled_support).
+- Every generate call samples from its own RNG streams (torch's and numpy's: vLLM's two model
+  runners read one each), seeded from (seed, engine, step, purpose, call index) and swapped in
+  around the call (`sampling_rng`): the ranks of a tensor-parallel engine then draw identical
+  samples whatever else touched the global RNG (a user's reward function, say), a rerun (or a
+  resumed run) draws the same samples, and the trainer's own RNG is left as it was.
+- LoRA (lora.py): the engine gets the adapted weights merged, W + (alpha / rank) B A, in the same
+  in-place stream as a full-parameter run's weights (fsdp_utils.stream_full_weights), rather than
+  the adapter through vLLM's LoRA support. Correct by construction (the engine holds exactly the
+  adapted model; the gap stays at the full-parameter level) and free of a merge/unmerge cycle on the
+  trainer's weights; vLLM's LoRA path would need its adapter saved and reloaded each step and LoRA
+  kernels in every forward. Not measured against each other: the CPU build cannot show the GPU
+  trade-off (shipping a small adapter against streaming the whole model), which favours vLLM's path
+  for large models.
 """
 
 import gc
@@ -47,13 +52,15 @@ import torch.distributed as dist
 
 from data import PromptItem
 from fsdp_utils import gathered, stream_full_weights
-from vision import PLACEHOLDER_BIAS, expand_prompt, is_vision_language, placeholder_token_ids, vision_inputs
+from vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language, placeholder_token_ids,
+                    vision_inputs)
 
 
 @dataclass
 class RolloutConfig:
     engine: Literal["vllm", "hf"] = "vllm"
-    """vllm: vLLM in every rank (fast); hf: transformers generate on the trainer's model (no vLLM needed, slower)."""
+    """vllm: vLLM in every rank (fast); hf: transformers generate on the trainer's model (no vLLM
+    needed, slower)."""
     n: int = 16
     """Responses sampled per prompt (the group size)."""
     temperature: float = 1.0
@@ -80,28 +87,32 @@ class RolloutConfig:
     dtype: str = "auto"
     """vLLM dtype: auto = bfloat16 on GPU, float32 on CPU (matching the trainer's compute dtype)."""
     enforce_eager: bool = False
-    """vLLM on GPU: skip CUDA graph capture (faster start-up, slower decoding). On CPU vLLM always runs eagerly."""
+    """vLLM on GPU: skip CUDA graph capture (faster start-up, slower decoding). On CPU vLLM always
+    runs eagerly."""
     seed: int = 1
-    """Sampling seed; each generate call's RNG is seeded from it, the engine's index, the step and the call."""
+    """Sampling seed; each generate call's RNG is seeded from it, the engine's index, the step and
+    the call."""
     staleness: int = 0
-    """vllm: 1 samples each step with the weights of the step before (an asynchronous trainer's engine, one step
-    behind: what the rollout correction is for). A study setting: the engine takes the weights the update starts
-    from and stays awake through it (no memory is freed for the update), and validation samples a step behind too."""
+    """vllm: 1 samples each step with the weights of the step before (an asynchronous trainer's
+    engine, one step behind: what the rollout correction is for). A study setting: the engine takes
+    the weights the update starts from and stays awake through it (no memory is freed for the
+    update), and validation samples a step behind too."""
     env: str = ""
-    """Multi-turn episodes against an environment (env.py): a class, `path/to/file.py:Class` or `module:Class`, one
-    instance per episode; a built-in (toy); or `textarena:GAME`. Empty: one turn (or, with --tools.functions, turns
-    of tool calls)."""
+    """Multi-turn episodes against an environment (env.py): a class, `path/to/file.py:Class` or
+    `module:Class`, one instance per episode; a built-in (toy); or `textarena:GAME`. Empty: one turn
+    (or, with --tools.functions, turns of tool calls)."""
     max_turns: int = 4
     """Episodes (--rollout.env, --tools.functions): generated turns per episode at most."""
     max_turn_tokens: int = 0
-    """Episodes: tokens one turn may generate at most (0: what is left of --rollout.max-response-length, which bounds
-    the whole episode, the environment's turns included)."""
+    """Episodes: tokens one turn may generate at most (0: what is left of
+    --rollout.max-response-length, which bounds the whole episode, the environment's turns
+    included)."""
     env_timeout: float = 30.0
-    """Episodes: seconds an environment's reset or respond may run before it counts as failed (0: no limit; tool calls
-    have --tools.timeout)."""
+    """Episodes: seconds an environment's reset or respond may run before it counts as failed (0: no
+    limit; tool calls have --tools.timeout)."""
     max_env_errors: int = 3
-    """Episodes: failed calls of the environment (raised, timed out, answered with no observation; a tool call that
-    failed) that end an episode (0: none)."""
+    """Episodes: failed calls of the environment (raised, timed out, answered with no observation; a
+    tool call that failed) that end an episode (0: none)."""
 
 
 @dataclass
@@ -113,27 +124,32 @@ class Response:
     truncated: bool
     """True when the response hit max_response_length instead of ending with EOS."""
     mask: list[int] | None = None
-    """1 on the tokens the model generated, 0 on those it was given (what an environment said in a multi-turn
-    episode, env.py); None: all generated."""
+    """1 on the tokens the model generated, 0 on those it was given (what an environment said in a
+    multi-turn episode, env.py); None: all generated."""
     images: list = field(default_factory=list)
-    """Images inside the response (an environment's), in order: one `<|image_pad|>` each in token_ids."""
+    """Images inside the response (an environment's), in order: one `<|image_pad|>` each in
+    token_ids."""
     episode: Any = None
-    """A multi-turn episode's record (env.Episode: messages, turns, calls, stop reason); None for one turn."""
+    """A multi-turn episode's record (env.Episode: messages, turns, calls, stop reason); None for
+    one turn."""
 
 
-def build_rollout(cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device, model):
-    """The engine `cfg.engine` names; `model` is the trainer's FSDP2 model (the hf engine generates with it)."""
+def build_rollout(cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device,
+                  model):
+    """The engine `cfg.engine` names; `model` is the trainer's FSDP2 model (the hf engine generates
+    with it)."""
     if cfg.engine == "hf":
         return HFRollout(cfg, model, model_path, device)
     return VLLMRollout(cfg, model_path, max_model_len, device)
 
 
-def start_engine(cfg: RolloutConfig, model_path: str, max_model_len: int, actor, state, resumed_step: int | None):
-    """The engine, started with the training state (fsdp_utils.TrainingState) in host memory when it is offloaded
-    while generating; a resumed run's engine then gets the resumed weights: it sleeps (GPU) before the state comes
-    back to the device for the stream, which moves the state out again before the engine's KV cache wakes. The
-    loop keeps that order: after generating, `sleep()` then `state.to_device()`; after the update,
-    `sync_weights(actor, step, on_loaded=state.to_host)`."""
+def start_engine(cfg: RolloutConfig, model_path: str, max_model_len: int, actor, state,
+                 resumed_step: int | None):
+    """The engine, started with the training state (fsdp_utils.TrainingState) in host memory when it
+    is offloaded while generating; a resumed run's engine then gets the resumed weights: it sleeps
+    (GPU) before the state comes back to the device for the stream, which moves the state out again
+    before the engine's KV cache wakes. The loop keeps that order: after generating, `sleep()` then
+    `state.to_device()`; after the update, `sync_weights(actor, step, on_loaded=state.to_host)`."""
     state.to_host()
     rollout = build_rollout(cfg, model_path, max_model_len, state.device, actor)
     if resumed_step is not None:
@@ -144,14 +160,16 @@ def start_engine(cfg: RolloutConfig, model_path: str, max_model_len: int, actor,
 
 
 def check_version(engine, version: int) -> None:
-    """The engine holds step `version`'s weights, or (--rollout.staleness) trails it by at most that many steps."""
+    """The engine holds step `version`'s weights, or (--rollout.staleness) trails it by at most that
+    many steps."""
     if not version - engine.cfg.staleness <= engine.weights_version <= version:
-        raise RuntimeError(f"the rollout engine holds the weights of step {engine.weights_version} but the trainer "
-                           f"is at step {version}: sync_weights() was skipped")
+        raise RuntimeError(f"the rollout engine holds the weights of step {engine.weights_version} "
+                           f"but the trainer is at step {version}: sync_weights() was skipped")
 
 
 def sampling(cfg: RolloutConfig, validation: bool, greedy: bool) -> tuple[int, float, float]:
-    """(n, temperature, top_p) of a call: training, validation (val_*), or greedy (one sample, temperature 0)."""
+    """(n, temperature, top_p) of a call: training, validation (val_*), or greedy (one sample,
+    temperature 0)."""
     if greedy:
         return 1, 0.0, 1.0
     if validation:
@@ -164,17 +182,20 @@ def call_purpose(validation: bool, greedy: bool) -> str:
 
 
 class SeedStream:
-    """Seeds for successive generate calls: reproducible from (seed, engine, step, purpose, call index).
+    """Seeds for successive generate calls: reproducible from
+    (seed, engine, step, purpose, call index).
 
-    Training, validation and greedy calls count separately, so how often a run validates does not change
-    its training samples (and a run resumed after a validating step draws what the straight run drew).
+    Training, validation and greedy calls count separately, so how often a run validates does not
+    change its training samples (and a run resumed after a validating step draws what the straight
+    run drew).
     """
 
     def __init__(self, seed: int, engine_index: int):
         self.seed, self.engine_index, self.version, self.calls = seed, engine_index, -1, {}
 
     def next(self, version: int, purpose: str) -> int:
-        """The seed of the next `purpose` call at `version` (the call counters restart at every step)."""
+        """The seed of the next `purpose` call at `version` (the call counters restart at every
+        step)."""
         if version != self.version:
             self.version, self.calls = version, {}
         self.calls[purpose] = self.calls.get(purpose, -1) + 1
@@ -184,10 +205,10 @@ class SeedStream:
 
 @contextmanager
 def sampling_rng(seed: int, device: torch.device):
-    """The global RNGs vLLM samples from, seeded with `seed` inside and restored on exit: torch's (CPU, and `device`
-    if it is a GPU), which vLLM's V1 model runner (the CPU platform's) samples with; and numpy's, from which
-    its V2 runner (the default on CUDA) draws each request's seed as the request is added
-    (vllm/v1/worker/gpu/sample/states.py) and never reads torch's."""
+    """The global RNGs vLLM samples from, seeded with `seed` inside and restored on exit: torch's
+    (CPU, and `device` if it is a GPU), which vLLM's V1 model runner (the CPU platform's) samples
+    with; and numpy's, from which its V2 runner (the default on CUDA) draws each request's seed as
+    the request is added (vllm/v1/worker/gpu/sample/states.py) and never reads torch's."""
     numpy_state = np.random.get_state()
     np.random.seed([seed & 0xFFFFFFFF, seed >> 32])  # numpy takes 32-bit words
     try:
@@ -204,36 +225,41 @@ def sampling_rng(seed: int, device: torch.device):
 
 
 class VLLMRollout:
-    """vLLM in-process (`distributed_executor_backend="external_launcher"`): every torchrun rank owns an
-    engine (or a tensor-parallel slice of one) and generates for its own prompts. No Ray, no server.
+    """vLLM in-process (`distributed_executor_backend="external_launcher"`): every torchrun rank
+    owns an engine (or a tensor-parallel slice of one) and generates for its own prompts. No Ray, no
+    server.
 
     Engine settings and why (for the vLLM that the requirements pin, docs/install.md):
-    - Sleep level 2 between rollouts (GPU): it frees the weights and the KV cache for training. Level 1
-      would copy the weights to pinned host memory and back every step, although every sync overwrites
-      them; level 2 keeps only the buffers (rotary caches), which vLLM saves and restores itself. The CPU
-      platform refuses sleep mode, so there the engine simply stays resident.
-    - Weight sync streams one full tensor at a time into the worker's in-place `reload_weights` (no disk
-      round trip, no second copy of the model). On CPU, vLLM pre-packs the output head for its GEMM; with
-      tied embeddings the reload refreshes the embedding but not that packed copy, so the head's weight
-      processing is re-run after every sync.
-    - Prefix caching on: the n samples of a prompt share one prefill. Its cache is reset at every sync,
-      so no KV computed with old weights is ever reused; so is the encoder cache (vision embeddings).
-    - No multimodal processor cache (by default vLLM caches processed images per engine, several GiB of
-      them): an image comes back only next epoch, so the cache would only grow, step after step.
-    - CUDA graphs on GPU unless `--rollout.enforce-eager` (decoding is launch-bound for small batches);
-      the CPU platform has no graphs, so it runs eagerly.
-    - The objects alive before the engine starts (every imported module's: most of the heap) are frozen out of
-      the garbage collector first: vLLM collects five times while it starts, each pass otherwise over all of them
-      (2 s of a 2-step job's start-up on 2 CPU cores). vLLM freezes the heap itself once it has started.
-    - The sampling RNGs (module docstring) are set per call: the device's default generator, which the V1 model
-      runner (CPU) samples unseeded requests with, and numpy's, from which the V2 runner (CUDA) draws each
-      request's seed. Per-request seeds (`SamplingParams.seed`) would pin the samples too, and V2 samples them
-      in one kernel, but V1 then draws each seeded request's noise with its own generator, a Python loop over
-      requests at every decoding step (slower than unseeded sampling on CPU: docs/speed-and-memory.md), and on
-      CPU they break chunked prefill ("CPU Generator does not use offset").
+    - Sleep level 2 between rollouts (GPU): it frees the weights and the KV cache for training.
+      Level 1 would copy the weights to pinned host memory and back every step, although every sync
+      overwrites them; level 2 keeps only the buffers (rotary caches), which vLLM saves and restores
+      itself. The CPU platform refuses sleep mode, so there the engine simply stays resident.
+    - Weight sync streams one full tensor at a time into the worker's in-place `reload_weights` (no
+      disk round trip, no second copy of the model). On CPU, vLLM pre-packs the output head for its
+      GEMM; with tied embeddings the reload refreshes the embedding but not that packed copy, so the
+      head's weight processing is re-run after every sync.
+    - Prefix caching on: the n samples of a prompt share one prefill. Its cache is reset at every
+      sync, so no KV computed with old weights is ever reused; so is the encoder cache (vision
+      embeddings).
+    - No multimodal processor cache (by default vLLM caches processed images per engine, several GiB
+      of them): an image comes back only next epoch, so the cache would only grow, step after step.
+    - CUDA graphs on GPU unless `--rollout.enforce-eager` (decoding is launch-bound for small
+      batches); the CPU platform has no graphs, so it runs eagerly.
+    - The objects alive before the engine starts (every imported module's: most of the heap) are
+      frozen out of the garbage collector first: vLLM collects five times while it starts, each pass
+      otherwise over all of them (2 s of a 2-step job's start-up on 2 CPU cores). vLLM freezes the
+      heap itself once it has started.
+    - The sampling RNGs (module docstring) are set per call: the device's default generator, which
+      the V1 model runner (CPU) samples unseeded requests with, and numpy's, from which the V2
+      runner (CUDA) draws each request's seed. Per-request seeds (`SamplingParams.seed`) would pin
+      the samples too, and V2 samples them in one kernel, but V1 then draws each seeded request's
+      noise with its own generator, a Python loop over requests at every decoding step (slower than
+      unseeded sampling on CPU: docs/speed-and-memory.md), and on CPU they break chunked prefill
+      ("CPU Generator does not use offset").
     """
 
-    def __init__(self, cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device):
+    def __init__(self, cfg: RolloutConfig, model_path: str, max_model_len: int,
+                 device: torch.device):
         from vllm import LLM
 
         self.cfg = cfg
@@ -241,7 +267,8 @@ class VLLMRollout:
         show_progress = logging.getLogger("vllm").isEnabledFor(logging.INFO)
         self.on_gpu = device.type == "cuda"
         self.dtype = {"auto": torch.bfloat16 if self.on_gpu else torch.float32,
-                      "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.dtype]
+                      "bfloat16": torch.bfloat16, "float32": torch.float32,
+                      "float16": torch.float16}[cfg.dtype]
         memory = (dict(gpu_memory_utilization=cfg.gpu_memory_utilization) if self.on_gpu
                   else dict(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * 2**30)))
         engine_index = dist.get_rank() // cfg.tensor_parallel_size
@@ -261,16 +288,19 @@ class VLLMRollout:
             use_tqdm_on_load=show_progress,
             **memory,
         )
-        # Ranks sharing an engine (tensor parallelism) must submit identical requests: they pool their prompts.
+        # Ranks sharing an engine (tensor parallelism) must submit identical requests: they pool
+        # their prompts.
         tp, self.tp_group = cfg.tensor_parallel_size, None
         if tp > 1:  # every rank creates every group, in the same order (new_group is collective)
-            groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, dist.get_world_size(), tp)]
+            groups = [dist.new_group(list(range(first, first + tp)))
+                      for first in range(0, dist.get_world_size(), tp)]
             self.tp_group = groups[dist.get_rank() // tp]
         # a vision-language model's image/video placeholders: never sampled (vision.py says why)
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.logit_bias = {t: PLACEHOLDER_BIAS for t in placeholder_token_ids(hf_config)}
         self.seeds, self.device = SeedStream(cfg.seed, engine_index), device
-        self.weights_version = 0  # the training step whose weights the engine holds (0: the checkpoint)
+        # the training step whose weights the engine holds (0: the checkpoint)
+        self.weights_version = 0
         self.asleep = False  # awake with the checkpoint's weights until the first rollout is done
 
     @property
@@ -279,41 +309,48 @@ class VLLMRollout:
 
     @property
     def _worker(self):
-        # In-process engine (external launcher): the worker lives in this very process (an internal path of the
-        # pinned vLLM's engine, docs/install.md: check it when upgrading vLLM).
+        # In-process engine (external launcher): the worker lives in this very process (an internal
+        # path of the pinned vLLM's engine, docs/install.md: check it when upgrading vLLM).
         return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
 
     def sleep(self) -> None:
-        """Free the GPU for training: drop the weights and the KV cache (no-op on CPU). Only a sync wakes it."""
+        """Free the GPU for training: drop the weights and the KV cache (no-op on CPU). Only a sync
+        wakes it."""
         if self.on_gpu and not self.asleep:
             self.llm.sleep(level=2)
             self.asleep = True
 
     def shutdown(self) -> None:
-        """Stop the engine now (it tears down its own process groups), not in an exit-time finalizer that
-        would run after torch.distributed is gone and fail with "Invalid process group specified".
+        """Stop the engine now (it tears down its own process groups), not in an exit-time finalizer
+        that would run after torch.distributed is gone and fail with
+        "Invalid process group specified".
 
-        On a CPU with tensor (or pipeline) parallelism, vLLM's communicator holds a shared-memory segment per
-        rank whose name is the same in every run; only an exit-time destructor removes it, which the exit
-        without interpreter teardown (plumbing/console.run) skips, and a segment left behind fails the next such
-        run ("create shm in SHMManager failed. errno: 17"). This rank's segments are removed here."""
+        On a CPU with tensor (or pipeline) parallelism, vLLM's communicator holds a shared-memory
+        segment per rank whose name is the same in every run; only an exit-time destructor removes
+        it, which the exit without interpreter teardown (plumbing/console.run) skips, and a segment
+        left behind fails the next such run ("create shm in SHMManager failed. errno: 17").
+        This rank's segments are removed here."""
         segments = _cpu_shm_segments()
         self.llm.llm_engine.engine_core.shutdown()
         for segment in segments:
             segment.unlink(missing_ok=True)
 
-    def sync_weights(self, model: torch.nn.Module, version: int, on_loaded: Callable[[], None] = lambda: None) -> None:
-        """Load the trainer's weights in place: wake the weights, stream them in, `on_loaded()`, then wake the KV
-        cache. `on_loaded` is where whatever must leave the GPU to make room for the KV cache leaves
-        (--actor.offload-while-generating: the training state); after the wake it would be too late.
+    def sync_weights(self, model: torch.nn.Module, version: int,
+                     on_loaded: Callable[[], None] = lambda: None) -> None:
+        """Load the trainer's weights in place: wake the weights, stream them in, `on_loaded()`,
+        then wake the KV cache. `on_loaded` is where whatever must leave the GPU to make room for
+        the KV cache leaves (--actor.offload-while-generating: the training state); after the wake
+        it would be too late.
 
-        Collective: every rank streams the whole model (fsdp_utils.stream_full_weights gathers and casts
-        one parameter at a time).
+        Collective: every rank streams the whole model (fsdp_utils.stream_full_weights gathers and
+        casts one parameter at a time).
         """
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        self._worker.reload_weights(weights_iterator=stream_full_weights(model, self.dtype, self.device))
-        if not self.on_gpu:  # refresh the CPU-packed head (tied); a VLM's sits in its language model
+        self._worker.reload_weights(
+            weights_iterator=stream_full_weights(model, self.dtype, self.device))
+        # refresh the CPU-packed head (tied); a VLM's sits in its language model
+        if not self.on_gpu:
             for name, module in self._model.named_modules():
                 if name.split(".")[-1] == "lm_head" and hasattr(module, "quant_method"):
                     module.quant_method.process_weights_after_loading(module)
@@ -322,26 +359,29 @@ class VLLMRollout:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
-        # vision embeddings computed with the old weights; reusing one fails with "Encoder cache miss"
+        # vision embeddings computed with the old weights; reusing one fails with
+        # "Encoder cache miss"
         self.llm.llm_engine.reset_encoder_cache()
         self.weights_version = version
 
-    def generate(self, prompts: list[PromptItem], version: int, validation: bool = False, greedy: bool = False,
-                 n: int | None = None, max_tokens: list[int] | None = None) -> list[list[Response]]:
+    def generate(self, prompts: list[PromptItem], version: int, validation: bool = False,
+                 greedy: bool = False, n: int | None = None,
+                 max_tokens: list[int] | None = None) -> list[list[Response]]:
         """Sample responses for `prompts`; one list of n responses per prompt.
 
-        `version` is the trainer's current step: generating from older weights is a bug, so it raises.
-        validation: the val_* sampling settings; greedy: one response at temperature 0 (ReMax's baseline).
-        n: responses per prompt instead of the settings' own; max_tokens: each prompt's limit instead of
-        max_response_length (a multi-turn episode's next turn, env.py). No prompts: nothing to do, but a
-        tensor-parallel rank still joins its engine's call.
+        `version` is the trainer's current step: generating from older weights (by more than
+        --rollout.staleness steps) is a bug, so it raises. validation: the val_* sampling settings;
+        greedy: one response at temperature 0 (ReMax's baseline). n: responses per prompt instead of
+        the settings' own; max_tokens: each prompt's limit instead of max_response_length (a
+        multi-turn episode's next turn, env.py). No prompts: nothing to do, but a tensor-parallel
+        rank still joins its engine's call.
         """
         from vllm import SamplingParams
 
         check_version(self, version)
         if self.asleep:
-            raise RuntimeError("the vLLM engine is asleep: sleep level 2 discarded its weights, so only sync_weights() "
-                               "can wake it (with the trainer's weights)")
+            raise RuntimeError("the vLLM engine is asleep: sleep level 2 discarded its weights, "
+                               "so only sync_weights() can wake it (with the trainer's weights)")
         count, temperature, top_p = sampling(self.cfg, validation, greedy)
         n = n or count
         requests = [(_vllm_prompt(p), limit) for p, limit in
@@ -350,14 +390,18 @@ class VLLMRollout:
         if self.tp_group is not None:
             pooled = [None] * self.cfg.tensor_parallel_size
             dist.all_gather_object(pooled, requests, group=self.tp_group)
-            first = sum(len(part) for part in pooled[: dist.get_rank() % self.cfg.tensor_parallel_size])
-            requests, mine = [r for part in pooled for r in part], slice(first, first + len(requests))
+            first = sum(len(part)
+                        for part in pooled[: dist.get_rank() % self.cfg.tensor_parallel_size])
+            requests, mine = ([r for part in pooled for r in part],
+                              slice(first, first + len(requests)))
         if not requests:
             return []
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=self.cfg.top_k, max_tokens=limit,
-                                 logprobs=0, logit_bias=self.logit_bias or None) for _, limit in requests]
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
+                                 max_tokens=limit, logprobs=0, logit_bias=self.logit_bias or None)
+                  for _, limit in requests]
         with sampling_rng(self.seeds.next(version, call_purpose(validation, greedy)), self.device):
-            outputs = self.llm.generate([prompt for prompt, _ in requests], params, use_tqdm=False)[mine]
+            outputs = self.llm.generate([prompt for prompt, _ in requests], params,
+                                        use_tqdm=False)[mine]
         return [[Response(token_ids=list(o.token_ids),
                           logprobs=[next(iter(step.values())).logprob for step in o.logprobs],
                           truncated=o.finish_reason == "length")
@@ -365,8 +409,8 @@ class VLLMRollout:
 
 
 def _cpu_shm_segments() -> list[Path]:
-    """The shared-memory files this rank's vLLM CPU communicators created (one per tensor- or pipeline-parallel
-    group that uses one: /dev/shm/GROUP_RANK)."""
+    """The shared-memory files this rank's vLLM CPU communicators created (one per tensor- or
+    pipeline-parallel group that uses one: /dev/shm/GROUP_RANK)."""
     from vllm.distributed import parallel_state
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
@@ -375,19 +419,22 @@ def _cpu_shm_segments() -> list[Path]:
         communicator = getattr(group, "device_communicator", None)
         shm = getattr(communicator, "dist_module", None)
         if isinstance(shm, _CPUSHMDistributed):
-            # shm_open(3) ignores the name's leading slashes (the group name starts with "//" under torchrun)
-            segments.append(Path("/dev/shm") / f"{shm.group_name}_{communicator.rank_in_group}".lstrip("/"))
+            # shm_open(3) ignores the name's leading slashes (the group name starts with "//"
+            # under torchrun)
+            segments.append(Path("/dev/shm")
+                            / f"{shm.group_name}_{communicator.rank_in_group}".lstrip("/"))
     return segments
 
 
 def _vllm_prompt(item: PromptItem) -> dict:
-    """A vLLM prompt from a dataset item: token ids, plus the images and the videos (frames and metadata, which says
-    which frames they are: vLLM samples none itself) when the row has some."""
+    """A vLLM prompt from a dataset item: token ids, plus the images and the videos (frames and
+    metadata, which says which frames they are: vLLM samples none itself) when the row has some."""
     prompt, media = {"prompt_token_ids": item["prompt_ids"]}, {}
     if item.get("images"):
         media["image"] = item["images"]
     if item.get("videos"):
-        media["video"] = [(video.frames, {**video.metadata(), "do_sample_frames": False}) for video in item["videos"]]
+        media["video"] = [(video.frames, {**video.metadata(), "do_sample_frames": False})
+                          for video in item["videos"]]
     if media:
         prompt["multi_modal_data"] = media
     return prompt
@@ -396,11 +443,13 @@ def _vllm_prompt(item: PromptItem) -> dict:
 def vllm_environment() -> None:
     """Environment vLLM must see before it is imported (set once, at start-up).
 
-    On a CPU the engine runs eagerly (`enforce_eager`: the platform has no graphs), but vLLM still compiles one
-    sampler helper with inductor (`batched_count_greater_than`, the sampled tokens' ranks) at the first generate:
-    5 s of a 2-step job's start-up on 2 cores, every launch. TORCHDYNAMO_DISABLE, read when vLLM decorates it at
-    import, leaves it eager; the trainer compiles nothing. GPUs keep vLLM's compilation."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine core in this process
+    On a CPU the engine runs eagerly (`enforce_eager`: the platform has no graphs), but vLLM still
+    compiles one sampler helper with inductor (`batched_count_greater_than`, the sampled tokens'
+    ranks) at the first generate: 5 s of a 2-step job's start-up on 2 cores, every launch.
+    TORCHDYNAMO_DISABLE, read when vLLM decorates it at import, leaves it eager; the trainer
+    compiles nothing. GPUs keep vLLM's compilation."""
+    # keep the engine core in this process
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not torch.cuda.is_available():
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -411,36 +460,44 @@ def vllm_environment() -> None:
 
 
 class HFRollout:
-    """Generation with the trainer's FSDP2 model itself: nothing to load, so a sync only records the step.
+    """Generation with the trainer's FSDP2 model itself: nothing to load, so a sync only records
+    the step.
 
-    - All parameters are gathered once per call (fsdp_utils.gathered), so generation issues no collective
-      and ranks that stop after different numbers of tokens cannot hang each other.
+    - All parameters are gathered once per call (fsdp_utils.gathered), so generation issues no
+      collective and ranks that stop after different numbers of tokens cannot hang each other.
     - Eval mode while generating: gradient checkpointing would otherwise turn the KV cache off.
-    - The sampling distribution (temperature, top-k, top-p) is applied by `_SampledLogprobs`, which also
-      records the log-prob of each sampled token; `generate` itself is asked for plain sampling, so no
-      other processor (a checkpoint's repetition penalty, say) changes what is sampled.
+    - The sampling distribution (temperature, top-k, top-p) is applied by `_SampledLogprobs`, which
+      also records the log-prob of each sampled token; `generate` itself is asked for plain
+      sampling, so no other processor (a checkpoint's repetition penalty, say) changes what is
+      sampled.
     - The sampling RNG of the module docstring: the trainer's RNG is left untouched.
-    - Images and videos (vision-language models): each prompt's placeholders expanded and the pixels from the
-      processor, as the trainer gets them (vision.expand_prompt, vision.vision_inputs); transformers' generate
-      computes the 3-D M-RoPE positions of the left-padded rows from the attention mask.
+    - Images and videos (vision-language models): each prompt's placeholders expanded and the pixels
+      from the processor, as the trainer gets them (vision.expand_prompt, vision.vision_inputs);
+      transformers' generate computes the 3-D M-RoPE positions of the left-padded rows from the
+      attention mask.
     """
 
     def __init__(self, cfg: RolloutConfig, model, model_path: str, device: torch.device):
         from transformers import AutoProcessor, AutoTokenizer, GenerationConfig
 
         self.cfg, self.model, self.device = cfg, model, device
-        self.processor = AutoProcessor.from_pretrained(model_path) if is_vision_language(model.config) else None
+        self.processor = (AutoProcessor.from_pretrained(model_path)
+                          if is_vision_language(model.config) else None)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        try:  # stop where vLLM stops: the tokenizer's EOS and the checkpoint's generation_config ones (Qwen lists two)
+        # stop where vLLM stops: the tokenizer's EOS and the checkpoint's generation_config ones
+        # (Qwen lists two)
+        try:
             eos = GenerationConfig.from_pretrained(model_path).eos_token_id
         except OSError:
             eos = None
         self.eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.pad_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                       else min(self.eos_ids))
         if self.processor is not None:
-            # transformers' generate runs the vision tower (get_image_features) before the model's forward; FSDP2
-            # sets its units up at the root's first forward and refuses a unit that ran on its own before: a
-            # one-token forward of the root comes first (collective, as is every rank's __init__)
+            # transformers' generate runs the vision tower (get_image_features) before the model's
+            # forward; FSDP2 sets its units up at the root's first forward and refuses a unit that
+            # ran on its own before: a one-token forward of the root comes first (collective, as is
+            # every rank's __init__)
             with torch.no_grad(), gathered(model):
                 model(input_ids=torch.full((1, 1), self.pad_id, device=device))
         self.seeds = SeedStream(cfg.seed, dist.get_rank())
@@ -452,23 +509,27 @@ class HFRollout:
     def shutdown(self) -> None:
         """Nothing to stop."""
 
-    def sync_weights(self, model: torch.nn.Module, version: int, on_loaded: Callable[[], None] = lambda: None) -> None:
-        """The engine generates with the trainer's model itself, so it holds step `version`'s weights already."""
+    def sync_weights(self, model: torch.nn.Module, version: int,
+                     on_loaded: Callable[[], None] = lambda: None) -> None:
+        """The engine generates with the trainer's model itself, so it holds step `version`'s
+        weights already."""
         on_loaded()
         self.weights_version = version
 
     @torch.no_grad()
-    def generate(self, prompts: list[PromptItem], version: int, validation: bool = False, greedy: bool = False,
-                 n: int | None = None, max_tokens: list[int] | None = None) -> list[list[Response]]:
-        """Same contract as VLLMRollout.generate. Every call gathers the weights (a collective), so a rank with no
-        prompts still calls it when others do (env.py keeps the ranks in step)."""
+    def generate(self, prompts: list[PromptItem], version: int, validation: bool = False,
+                 greedy: bool = False, n: int | None = None,
+                 max_tokens: list[int] | None = None) -> list[list[Response]]:
+        """Same contract as VLLMRollout.generate. Every call gathers the weights (a collective), so
+        a rank with no prompts still calls it when others do (env.py keeps the ranks in step)."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         check_version(self, version)
         count, temperature, top_p = sampling(self.cfg, validation, greedy)
         n = n or count
         limits = max_tokens or [self.cfg.max_response_length] * len(prompts)
-        expanded = [expand_prompt(self.processor, p) for p in prompts]  # [(ids, pixel tensors or None)]
+        # [(ids, pixel tensors or None)]
+        expanded = [expand_prompt(self.processor, p) for p in prompts]
         rows = [ids for ids, _ in expanded]
         # left padding: every prompt ends where generation starts
         P = max(map(len, rows), default=0)
@@ -478,41 +539,49 @@ class HFRollout:
             input_ids[i, P - len(row):] = torch.tensor(row)
             attention_mask[i, P - len(row):] = 1
         input_ids = input_ids.to(self.device)
-        images = vision_inputs(self.model, input_ids, [tensors for _, tensors in expanded])  # {} without images
-        recorder = _SampledLogprobs(temperature, top_p, self.cfg.top_k, placeholder_token_ids(self.model.config))
+        # {} without images
+        images = vision_inputs(self.model, input_ids, [tensors for _, tensors in expanded])
+        recorder = _SampledLogprobs(temperature, top_p, self.cfg.top_k,
+                                    placeholder_token_ids(self.model.config))
         was_training = self.model.training
         seed = self.seeds.next(version, call_purpose(validation, greedy))
         with gathered(self.model), sampling_rng(seed, self.device):
             if not prompts:
                 return []
-            config = GenerationConfig(do_sample=not greedy, num_return_sequences=n, max_new_tokens=max(limits),
-                                      temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
+            config = GenerationConfig(do_sample=not greedy, num_return_sequences=n,
+                                      max_new_tokens=max(limits), temperature=1.0, top_k=0,
+                                      top_p=1.0, repetition_penalty=1.0,
                                       eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
             self.model.eval()
             try:
-                sequences = self.model.generate(input_ids=input_ids, generation_config=config, **images,
-                                                attention_mask=attention_mask.to(self.device),
-                                                logits_processor=LogitsProcessorList([recorder]), synced_gpus=False)
+                sequences = self.model.generate(
+                    input_ids=input_ids, generation_config=config, **images,
+                    attention_mask=attention_mask.to(self.device),
+                    logits_processor=LogitsProcessorList([recorder]), synced_gpus=False)
             finally:
                 self.model.train(was_training)
         tokens = sequences[:, P:]  # [prompts * n, T], the n samples of a prompt in consecutive rows
         logprobs = recorder.finish(tokens)  # [prompts * n, T]
         responses = []
         for b, (row, row_logprobs) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
-            limit = limits[b // n]  # a prompt's own limit, where the call's longest one let it run on
-            end = next((t + 1 for t, token in enumerate(row[:limit]) if token in self.eos_ids), None)
-            responses.append(Response(token_ids=row[: end or limit], logprobs=row_logprobs[: end or limit],
+            # a prompt's own limit, where the call's longest one let it run on
+            limit = limits[b // n]
+            end = next((t + 1 for t, token in enumerate(row[:limit]) if token in self.eos_ids),
+                       None)
+            responses.append(Response(token_ids=row[: end or limit],
+                                      logprobs=row_logprobs[: end or limit],
                                       truncated=end is None))
         return [responses[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
 class _SampledLogprobs:
-    """A logits processor that applies temperature, top-k and top-p, and records log p(sampled token).
+    """A logits processor that applies temperature, top-k and top-p, and records
+    log p(sampled token).
 
-    `generate` calls it once per new token with the scores of that token; the token sampled from them is
-    only visible at the next call (as the last input id), so it keeps one step's log-softmax [rows, V]
-    and reads the sampled token's entry then: memory O(rows x V), not O(rows x tokens x V) as
-    `output_scores` would hold. Greedy (temperature 0): the raw logits, as vLLM reports.
+    `generate` calls it once per new token with the scores of that token; the token sampled from
+    them is only visible at the next call (as the last input id), so it keeps one step's log-softmax
+    [rows, V] and reads the sampled token's entry then: memory O(rows x V), not O(rows x tokens x V)
+    as `output_scores` would hold. Greedy (temperature 0): the raw logits, as vLLM reports.
     """
 
     def __init__(self, temperature: float, top_p: float, top_k: int, placeholders: list[int]):
@@ -528,8 +597,9 @@ class _SampledLogprobs:
             self.logprobs.append(self.previous.gather(1, input_ids[:, -1:]))  # [rows, 1]
         if self.placeholders:  # before the temperature, as vLLM applies its logit bias
             scores = scores.index_add(1, torch.tensor(self.placeholders, device=scores.device),
-                                      torch.full((scores.shape[0], len(self.placeholders)), PLACEHOLDER_BIAS,
-                                                 device=scores.device, dtype=scores.dtype))
+                                      torch.full((scores.shape[0], len(self.placeholders)),
+                                                 PLACEHOLDER_BIAS, device=scores.device,
+                                                 dtype=scores.dtype))
         if self.temperature > 0:
             scores = scores / self.temperature
             for warper in self.warpers:
@@ -538,6 +608,7 @@ class _SampledLogprobs:
         return scores
 
     def finish(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Log-probs [rows, T] of the generated `tokens` [rows, T] (entries past an EOS are meaningless)."""
+        """Log-probs [rows, T] of the generated `tokens` [rows, T] (entries past an EOS are
+        meaningless)."""
         self.logprobs.append(self.previous.gather(1, tokens[:, -1:]))
         return torch.cat(self.logprobs, dim=1)[:, : tokens.shape[1]]

@@ -2,7 +2,7 @@
 trainer's update against a bare FSDP2 loop, padding-free against padded, the logits' memory.
 
     .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
-    .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --n 8 --max-tokens 512
+    .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --group-size 8 --max-tokens 512
     .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video, rewards, sp,
                                                            # correction, curves or env
 

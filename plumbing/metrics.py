@@ -1,5 +1,6 @@
 """The numbers a training step logs, beside the ones the algorithm functions return: phase timings, the
-engine-vs-trainer log-prob gap, reward and length statistics, peak memory, and the console's step line.
+engine-vs-trainer log-prob gap, reward and length statistics, pass@k, the rollout correction's weights, peak
+memory (the console's step line is plumbing/console.py's).
 
 Every statistic is reduced over all ranks in one collective per call (plumbing/collectives.py all_reduce) and
 stays on the training device until the loop copies the step's numbers to the host once (collectives.to_floats).

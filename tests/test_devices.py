@@ -193,10 +193,11 @@ def test_update_and_metrics_stay_on_the_device(device):
 
 @pytest.mark.parametrize("module", [grpo, metrics])
 def test_the_trainer_issues_collectives_only_through_the_checked_helpers(module):
-    """The step's collectives go through fsdp_utils' helpers (exercised above), so none can bypass the device rule."""
+    """The step's collectives go through plumbing/collectives.py's helpers (exercised above), so none can bypass the
+    device rule."""
     tree = ast.parse(Path(module.__file__).read_text())
     direct = [f"line {node.lineno}: dist.{node.attr}" for node in ast.walk(tree)
               if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "dist"
               and node.attr in COLLECTIVES]
     assert not direct, (f"{module.__file__} calls collectives directly "
-                        f"(use fsdp_utils.all_reduce / sum_over_ranks): {direct}")
+                        f"(use plumbing.collectives.all_reduce / sum_over_ranks): {direct}")

@@ -98,10 +98,10 @@ def toy_tools_two_steps(folder):
 
 @uses_runs("toy_tools_two_steps")
 def test_the_toy_tools_preset_trains_two_steps(runs):
-    """`grpo.py toy_tools --rollout.engine hf`, two ranks, two steps (vllm: the preset's whole run, in
-    test_learning.py): the episode metrics are logged and sane (at most the preset's --rollout.max-turns 3 turns, a
-    share of masked tool tokens, stop reasons that add up), and the engine's log-probs match the trainer's on the
-    generated tokens of multi-turn responses."""
+    """`grpo.py toy_tools --rollout.engine hf`, two ranks, two steps (vllm: test_episodes.py's worker and the preset's
+    whole run in the benchmark, docs/tools.md): the episode metrics are logged and sane (at most the preset's
+    --rollout.max-turns 3 turns, a share of masked tool tokens, stop reasons that add up), and the engine's log-probs
+    match the trainer's on the generated tokens of multi-turn responses."""
     metrics = runs["toy_tools_two_steps"].metrics("toy_tools")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:

@@ -1,14 +1,13 @@
-"""Learning on the built-in task, from random weights (the slowest tests: minutes on 2 CPU cores).
-
-GRPO from chance to a clear climb, one run per path the others share, each stopped at the step where the climb was
-there on several seeds (not the README's full curve, which comes from the benchmark): the exact default job a newcomer
-runs (text, full parameters), the built-in video task (`toy_motion`: a tiny VLM, the vision tower, frames through vLLM
-and FSDP2) and the built-in environment task (`toy_env`: multi-turn episodes, the answer only the environment's
-answer tells). The LoRA version (toy_lora), the image task (toy_vision), the tool task (toy_tools: the same episode
-loop, with tool calls; 8.5 minutes of the suite until it shared the loop) and the RLOO and DAPO presets learn too;
-their figures are in the README, measured with the commands shown there and not re-run here, since what they add to
-these runs (the adapters, images instead of frames, parsing and running tool calls, the algorithms' formulas) is
-tested to the number in test_lora.py, test_train.py, test_tools.py, test_episodes.py and test_algorithms.py."""
+"""Learning on the built-in task, from random weights (the slowest tests: minutes on 2 CPU cores). GRPO from chance to a
+clear climb, one run per path the others share, each stopped at the step where the climb was there on several seeds (not
+the README's full curve, which comes from the benchmark): the exact default job a newcomer runs (text, full parameters),
+the built-in video task (`toy_motion`: a tiny VLM, the vision tower, frames through vLLM and FSDP2) and the built-in
+environment task (`toy_env`: multi-turn episodes, the answer only the environment's answer tells). The LoRA version
+(toy_lora), the image task (toy_vision), the tool task (toy_tools: the same episode loop, with tool calls; 8.5 minutes
+of the suite until it shared the loop) and the RLOO and DAPO presets learn too; their figures are in docs/demos.md,
+docs/tools.md and docs/algorithms.md, measured with the commands shown there and not re-run here, since what they add to
+these runs (the adapters, images instead of frames, parsing and running tool calls, the algorithms' formulas) is tested
+to the number in test_lora.py, test_train.py, test_tools.py, test_episodes.py and test_algorithms.py."""
 
 import json
 
