@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig
 
 from lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
-from plumbing.attention import attention_implementation
+from plumbing.attention import attention_implementation, linear_attention_per_sequence
 from plumbing.checkpoints import out_of_space, readable_like_other_files, size_text
 from plumbing.tiny import model_class
 from vision import family, is_vision_language, keep_vision_tower_in_step
@@ -173,6 +173,7 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool,
     with torch.device("meta"):
         model = model_class(config).from_config(
             config, dtype=dtype, attn_implementation=attention_implementation(device))
+    linear_attention_per_sequence(model)  # exact packed rows for Qwen3.5's and Qwen3-Next's layers
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model = model
@@ -364,10 +365,12 @@ def gathered(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype,
-                        device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                        fp32: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor in `dtype` on `device`), gathering one parameter at a time: never
-    a second model copy.
+    a second model copy. Parameters whose names end with one of `fp32` travel in fp32 (an engine
+    that keeps them in fp32 whatever its dtype, fed by a trainer that computes in fp32:
+    rollout.VLLMRollout).
 
     Each shard is cast before the gather, so a bf16 engine moves half the bytes of the fp32 master
     weights, and moved to `device`, the training device, first: under FSDP2's CPU offload it lives
@@ -377,10 +380,10 @@ def stream_full_weights(model: torch.nn.Module, dtype: torch.dtype,
     """
     # LoRA: the adapted weights, merged while streaming, under the base model's names
     if has_adapters(model):
-        yield from merged_weights(model, dtype, device)
+        yield from merged_weights(model, dtype, device, fp32)
         return
     for name, param in model.named_parameters():
-        shard = param.to(device=device, dtype=dtype)
+        shard = param.to(device=device, dtype=torch.float32 if name.endswith(fp32) else dtype)
         yield name, shard.full_tensor() if isinstance(shard, DTensor) else shard
 
 

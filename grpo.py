@@ -719,7 +719,7 @@ def parse_config(argv: list[str]) -> Config:
         "GRPO-style RL with an FSDP2 actor and vLLM. PRESET: a file of configs/ ({presets}) or a "
         ".yaml path; flags override it. Tiny random models (no download): --actor.model-path "
         "tiny:ARCH, ARCH one of "
-        f"{', '.join(sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES))}; with Qwen2.5's real "
+        f"{', '.join(sorted(ARCHITECTURES) + sorted(VISION_ARCHITECTURES))}; with Qwen's real "
         f"vocabulary {', '.join(REAL_VOCABULARY)}. Advantage estimators: "
         f"{', '.join(ADVANTAGE_ESTIMATORS)}. Policy losses: {', '.join(POLICY_LOSSES)}.")
     if not cfg.trainer.experiment_name:

@@ -41,6 +41,7 @@ from torch.distributed._functional_collectives import (all_gather_single_autogra
 from transformers import AutoConfig
 
 from lora import base_of
+from plumbing.attention import has_linear_attention
 from vision import family, is_vision_language
 
 
@@ -61,11 +62,18 @@ class SequenceParallel:
         node, where the all-to-alls are fastest), a 2-D mesh of data x sequence; every rank creates
         every group, as torch.distributed asks. FSDP2 shards over all ranks as without sequence
         parallelism (the least memory). The model's attention heads must split evenly over a
-        group."""
+        group, and the model must have no linear attention: Qwen3.5's and Qwen3-Next's layers carry
+        a state along the whole row, which a rank holding a slice of it cannot start from."""
         if size == 1:
             return cls()
         if model_path:
             config = AutoConfig.from_pretrained(model_path)
+            if has_linear_attention(config):
+                raise SystemExit(f"--actor.sequence-parallel-size {size}: the model's linear-"
+                                 "attention layers carry a state along the whole sequence, which "
+                                 "cannot be cut over ranks; use 1 (long sequences: "
+                                 "--actor.max-tokens-per-micro-batch, --actor.gradient-"
+                                 "checkpointing)")
             heads = getattr(config, "text_config", config).num_attention_heads
             if heads % size:
                 raise SystemExit(f"--actor.sequence-parallel-size {size}: the model's {heads} "

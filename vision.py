@@ -1,5 +1,5 @@
 """The trainer's side of vision-language models: pixels, image and video tokens, and one adapter per
-model family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
+model family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5).
 
 The engine gets each prompt with one `<|image_pad|>` per image and one `<|video_pad|>` per video,
 plus the images and the videos' frames, and expands every placeholder itself; the trainer gets the
@@ -258,6 +258,9 @@ class Qwen3VLFamily(Qwen2VLFamily):
 
 FAMILIES = {"qwen2_vl": Qwen2VLFamily(), "qwen2_5_vl": Qwen2_5_VLFamily(),
             "qwen3_vl": Qwen3VLFamily()}  # model_type -> its adapter
+# Qwen3.5: Qwen3-VL's processor, tokens and positions; a tower without deepstack (nothing to
+# cut), a hybrid language model (linear attention: plumbing/attention.py)
+FAMILIES["qwen3_5"] = FAMILIES["qwen3_vl"]
 
 
 def family(config) -> Qwen2VLFamily:

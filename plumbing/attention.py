@@ -15,6 +15,10 @@ cu_seq_lens and max lengths the trainer already gives with the inputs.
 Everything else goes to transformers' sdpa unchanged: padded batches with a mask (the hf engine's generation),
 one token at a time against a KV cache, the vision towers (bidirectional, split by their own cu_seqlens).
 
+Linear attention (the Gated DeltaNet layers of Qwen3.5 and Qwen3-Next, `linear_attention_per_sequence`) is run once per
+packed sequence: it carries a convolution state and a recurrent state along the row, and neither its pure-torch
+fallbacks nor the GPU kernels as transformers calls them restart at a sequence boundary.
+
 All the trainer's attentions (packed_sdpa, packed_varlen, and flash-attn under transformers' own name) take a
 sequence-parallel group in their kwargs (`sequence_parallel`: sequence_parallel.py, whose pre-hook on the language
 model gives it to its layers alone, never to a vision tower's) when the rows are cut over ranks: they then attend
@@ -89,6 +93,52 @@ def packed_varlen_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     output = varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, longest, longest, scale=scaling, window_size=(-1, 0),
                          enable_gqa=key.shape[1] != query.shape[1])
     return output[None], None  # [1, S, heads, d]
+
+
+# the packing the trainer gives with a packed row's inputs (logprobs.forward_inputs)
+PACKING = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "packed_lengths")
+
+
+def has_linear_attention(config) -> bool:
+    """Whether a model has linear-attention layers (Qwen3.5, Qwen3-Next: Gated DeltaNet), whose state runs along
+    the whole row."""
+    return "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or [])
+
+
+def linear_attention_per_sequence(model) -> None:
+    """Make every linear-attention layer of `model` (a module named `linear_attn`: the Gated DeltaNet of Qwen3.5 and
+    Qwen3-Next) run once per sequence of a packed row, so that each sequence starts from a zero state.
+
+    Such a layer carries two states along its row: a short causal convolution's (the last 3 tokens) and the delta
+    rule's recurrent state. transformers 5.19 gives neither the packing: its pure-torch convolution takes no sequence
+    boundaries and its delta rule ignores the cu_seqlens it is handed, so in a packed row every sequence after the
+    first would be computed as a continuation of the one before it (log-probs off by ~0.02-0.07 nats, gradients by
+    far more; tests/test_models.py). On GPUs, flash-linear-attention's kernel does get cu_seqlens, but
+    causal-conv1d's, which takes boundaries as `seq_idx`, is given none. A padded batch is exact either way (right
+    padding comes after each sequence). Any other call (generation with a cache, a padded batch, one sequence) is
+    the layer's own.
+
+    Cost: the layer's kernels run once per sequence rather than once per row: on a GPU, launches rather than
+    arithmetic. The exact fast path would hand causal-conv1d its `seq_idx` and flash-linear-attention its
+    cu_seqlens in one call; not done here, as no GPU could check it.
+    """
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "linear_attn":
+            module.forward = _per_packed_sequence(module.forward)
+
+
+def _per_packed_sequence(forward):
+    """`forward` (a linear-attention layer's) once per sequence of a packed row: split by `packed_lengths`, without
+    the packing, concatenated back. Lengths [3, 2]: the layer on tokens [0, 3) and on [3, 5), each from zero."""
+
+    def wrapped(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        lengths = kwargs.get("packed_lengths")
+        if lengths is None or cache_params is not None or attention_mask is not None:
+            return forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        alone = {key: value for key, value in kwargs.items() if key not in PACKING}
+        return torch.cat([forward(piece, **alone) for piece in hidden_states.split(lengths, 1)], 1)
+
+    return wrapped
 
 
 def sequence_parallel_aware(attention):

@@ -2,10 +2,12 @@
 and the transformers class that builds any checkpoint's model (`model_class`).
 
 The default job, the tests and the benchmark use these so that everything runs offline on a CPU.
-`--actor.model-path tiny:qwen2` (also `tiny:qwen3`, `tiny:llama`, and the vision-language `tiny:qwen2_vl`,
-`tiny:qwen2_5_vl`, `tiny:qwen3_vl`) builds the model once into a folder with `save_pretrained` (with the
-processor for the vision-language ones), so transformers, vLLM and peft load it as they would a hub model.
-`tiny:qwen2_5_bpe` and `tiny:qwen2_5_vl_bpe` are the same shapes with Qwen2.5's real tokenizer (REAL_VOCABULARY).
+`--actor.model-path tiny:qwen2` (also `tiny:qwen3`, `tiny:llama`, the current generation's `tiny:qwen3_5_text`,
+`tiny:qwen3_moe`, `tiny:qwen3_next`, and the vision-language `tiny:qwen2_vl`, `tiny:qwen2_5_vl`, `tiny:qwen3_vl`,
+`tiny:qwen3_5`) builds the model once into a folder with `save_pretrained` (with the processor for the
+vision-language ones), so transformers, vLLM and peft load it as they would a hub model. `tiny:qwen2_5_bpe`,
+`tiny:qwen2_5_vl_bpe` and `tiny:qwen3_next_bpe` are the same shapes with Qwen's real tokenizer (REAL_VOCABULARY;
+Qwen2.5's and Qwen3's are one).
 
 Design decisions:
 - The tokenizer is byte-level BPE like Qwen's (transformers rebuilds Qwen's byte-level pipeline
@@ -24,6 +26,11 @@ Design decisions:
   right answer starts at ~1/150k.
 - Qwen2 and Qwen3 tie the input and output embeddings (as Qwen2.5-0.5B..3B do), Llama does not, so
   the weight sync is exercised both ways.
+- The current generation's (Qwen3.5, Qwen3-MoE, Qwen3-Next) have what makes them differ, each at its smallest: one
+  Gated DeltaNet linear-attention layer before one full-attention layer (Qwen3.5 and Qwen3-Next; real ones have
+  three linear per full one), a quarter of head_dim rotated, 4 experts of which 2 per token (Qwen3-MoE and
+  Qwen3-Next, whose shared expert is beside them). Qwen3.5 is tied as its 0.8B-4B checkpoints are, the mixtures
+  are not.
 - The vision-language models (about 0.6M parameters) share the text part's shape and tokenizer and add a
   2-layer vision tower; their image processor keeps an image between 4 and 64 patches (1 to 16 image tokens
   after the 2x2 merge), so an image costs a CPU little. Qwen3-VL's shape constraints (patch 16, a square
@@ -63,6 +70,14 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
 )
@@ -99,13 +114,33 @@ TOOLS_CLOSING = ("\\n</tools>\\n\\nFor each function call, return a json object 
                  "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
                  "<args-json-object>}\\n</tool_call>")
 TINY_MAX_FRAMES = 16  # frames a tiny VLM's video processor keeps at full size (Qwen3-VL's budget is per video)
-REAL_VOCABULARY = {"qwen2_5_bpe": "qwen2", "qwen2_5_vl_bpe": "qwen2_5_vl"}  # tiny name -> its architecture
+REAL_VOCABULARY = {"qwen2_5_bpe": "qwen2", "qwen2_5_vl_bpe": "qwen2_5_vl",  # tiny name -> its architecture
+                   "qwen3_next_bpe": "qwen3_next"}
+# The current generation's hybrid layers: Gated DeltaNet linear attention (head dims 64: vLLM's CPU kernels take no
+# less) before one full-attention layer, whose rotary part is a quarter of head_dim (16: 8 frequencies, which
+# Qwen3.5's interleaved M-RoPE splits 2, 3, 3 over time, height and width)
+HYBRID = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=2,
+              linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, head_dim=64)
+QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+# Mixture of experts: 4 experts of width 64, 2 per token (vLLM's CPU experts need widths in multiples of 32)
+EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
 ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     # a reward model (Bradley-Terry: a score a sequence), the default job's tokenizer: --reward.model tiny:qwen2_rm
     "qwen2_rm": (Qwen2Config, Qwen2ForSequenceClassification, dict(tie_word_embeddings=False, num_labels=1)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=64)),
     "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, head_dim=64)),
+    # Qwen3.5's language model alone (model_type qwen3_5_text): a real Qwen3.5 checkpoint is the VL, tiny:qwen3_5
+    "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM,
+                     dict(tie_word_embeddings=True, rope_parameters=QWEN3_5_ROPE, **HYBRID)),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  dict(tie_word_embeddings=False, head_dim=64, num_local_experts=4, **EXPERTS)),
+    # hybrid and mixture of experts, with a shared expert beside the routed ones
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM,
+                   dict(tie_word_embeddings=False, num_experts=4, shared_expert_intermediate_size=64, **EXPERTS,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                        **HYBRID)),
 }
 # Vision-language: (config, model, processor, image processor, video processor, text extras, vision config).
 # M-RoPE's sections split head_dim / 2 = 32 rotary frequencies over (time, height, width).
@@ -123,6 +158,11 @@ VISION_ARCHITECTURES = {
                                                     "mrope_interleaved": True}),
                  dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=16,
                       num_position_embeddings=64, deepstack_visual_indexes=[0])),
+    # Qwen3.5 (what its checkpoints declare): Qwen3-VL's processor and tower without deepstack, a hybrid language model
+    "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor, Qwen2VLImageProcessor,
+                Qwen3VLVideoProcessor, dict(rope_parameters=QWEN3_5_ROPE, tie_word_embeddings=True, **HYBRID),
+                dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=16,
+                     num_position_embeddings=64)),
 }
 
 

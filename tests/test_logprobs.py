@@ -21,7 +21,7 @@ from fsdp_utils import load_sharded_model
 from grpo import Config, backward_mini_batch, update_policy
 from logprobs import (balanced_bins, batched_logprobs, budget_bins, forward_inputs, make_batch, micro_batches,
                       response_logprobs)
-from plumbing.attention import PACKED_SDPA
+from plumbing.attention import PACKED_SDPA, linear_attention_per_sequence
 from plumbing.metrics import logprob_metrics
 from plumbing.tiny import build_tiny_model, build_tiny_vlm
 from vision import Video, expand_prompt, family
@@ -126,7 +126,7 @@ def test_packed_equals_padded_logprobs_loss_and_gradients(model):
                           gradients(model, lambda: response_logprobs(model, batch, 1.0, True), weights))
 
 
-@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_packed_equals_padded_for_vision_language_models(tmp_path, architecture):
     """Image rows (one and two images), video rows (a video; an image and a video longer than it is wide) and a
     text row packed into one row, with the 3-D M-RoPE positions of each sequence under a row of text positions: each
@@ -135,6 +135,7 @@ def test_packed_equals_padded_for_vision_language_models(tmp_path, architecture)
     path = build_tiny_vlm(architecture, tmp_path / architecture)
     model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation=PACKED_SDPA)
     family(model.config).use_original_positions(model)
+    linear_attention_per_sequence(model)  # Qwen3.5's, as fsdp_utils does
     processor = AutoProcessor.from_pretrained(path)
     vocab = processor.tokenizer.convert_tokens_to_ids
     start, pad, end, frames = vocab("<|vision_start|>"), vocab("<|image_pad|>"), vocab("<|vision_end|>"), vocab(
