@@ -49,9 +49,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from data import PromptItem
 from fsdp_utils import gathered, stream_full_weights
+from plumbing.attention import has_linear_attention
 from vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language, placeholder_token_ids,
                     vision_inputs)
 
@@ -85,7 +87,9 @@ class RolloutConfig:
     cpu_kv_cache_gib: float = 1.0
     """vLLM on CPU: GiB of RAM reserved for the KV cache of each engine."""
     dtype: str = "auto"
-    """vLLM dtype: auto = bfloat16 on GPU, float32 on CPU (matching the trainer's compute dtype)."""
+    """vLLM dtype: auto = bfloat16 on GPU, float32 on CPU (matching the trainer's compute dtype),
+    but bfloat16 on CPU for models with linear attention (Qwen3.5, Qwen3-Next: vLLM's only CPU
+    kernels for it)."""
     enforce_eager: bool = False
     """vLLM on GPU: skip CUDA graph capture (faster start-up, slower decoding). On CPU vLLM always
     runs eagerly."""
@@ -235,9 +239,15 @@ class VLLMRollout:
       overwrites them; level 2 keeps only the buffers (rotary caches), which vLLM saves and restores
       itself. The CPU platform refuses sleep mode, so there the engine simply stays resident.
     - Weight sync streams one full tensor at a time into the worker's in-place `reload_weights` (no
-      disk round trip, no second copy of the model). On CPU, vLLM pre-packs the output head for its
-      GEMM; with tied embeddings the reload refreshes the embedding but not that packed copy, so the
-      head's weight processing is re-run after every sync.
+      disk round trip, no second copy of the model). On CPU, vLLM pre-packs weights for its GEMMs,
+      and a reload misses two of those copies, so both are packed again after every sync: the
+      output head's with tied embeddings (the reload refreshes the embedding, not the head), and a
+      mixture of experts' expert weights (packed into the CPU kernel's layout at load only; a
+      reload writes the new weights in the checkpoint's layout into the packed storage). On GPUs
+      the reload runs each layer's weight processing again, experts included: nothing to redo.
+    - The engine follows the trainer where a checkpoint's config is ambiguous: a vision-language
+      model whose top-level tie flag and text config's disagree (transformers ties by the top-level
+      one, vLLM by the text config's) gets the top-level one in both (`tie_overrides`).
     - Prefix caching on: the n samples of a prompt share one prefill. Its cache is reset at every
       sync, so no KV computed with old weights is ever reused; so is the encoder cache (vision
       embeddings).
@@ -266,9 +276,8 @@ class VLLMRollout:
         # plumbing/console.py sets vLLM's log level
         show_progress = logging.getLogger("vllm").isEnabledFor(logging.INFO)
         self.on_gpu = device.type == "cuda"
-        self.dtype = {"auto": torch.bfloat16 if self.on_gpu else torch.float32,
-                      "bfloat16": torch.bfloat16, "float32": torch.float32,
-                      "float16": torch.float16}[cfg.dtype]
+        config = AutoConfig.from_pretrained(model_path)
+        self.dtype = engine_dtype(cfg.dtype, self.on_gpu, config)
         memory = (dict(gpu_memory_utilization=cfg.gpu_memory_utilization) if self.on_gpu
                   else dict(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * 2**30)))
         engine_index = dist.get_rank() // cfg.tensor_parallel_size
@@ -285,6 +294,7 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             mm_processor_cache_gb=0,
+            hf_overrides=tie_overrides(config),
             use_tqdm_on_load=show_progress,
             **memory,
         )
@@ -299,6 +309,7 @@ class VLLMRollout:
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.logit_bias = {t: PLACEHOLDER_BIAS for t in placeholder_token_ids(hf_config)}
         self.seeds, self.device = SeedStream(cfg.seed, engine_index), device
+        self.fp32 = self._kept_in_fp32()
         # the training step whose weights the engine holds (0: the checkpoint)
         self.weights_version = 0
         self.asleep = False  # awake with the checkpoint's weights until the first rollout is done
@@ -348,12 +359,9 @@ class VLLMRollout:
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         self._worker.reload_weights(
-            weights_iterator=stream_full_weights(model, self.dtype, self.device))
-        # refresh the CPU-packed head (tied); a VLM's sits in its language model
+            weights_iterator=stream_full_weights(model, self.dtype, self.device, self.fp32))
         if not self.on_gpu:
-            for name, module in self._model.named_modules():
-                if name.split(".")[-1] == "lm_head" and hasattr(module, "quant_method"):
-                    module.quant_method.process_weights_after_loading(module)
+            self._pack_again()
         on_loaded()
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
@@ -363,6 +371,29 @@ class VLLMRollout:
         # "Encoder cache miss"
         self.llm.llm_engine.reset_encoder_cache()
         self.weights_version = version
+
+    def _kept_in_fp32(self) -> tuple[str, ...]:
+        """The parameters a bf16 engine on CPU keeps in fp32 (Gated DeltaNet's A_log), by the last
+        two parts of their names (vLLM's and transformers' agree there): streamed in fp32, as the
+        trainer computes with them there. On GPUs the trainer computes with bf16 copies of its
+        weights (FSDP2's mixed precision), so bf16 is what the engine must get; an fp32 engine
+        takes fp32 anyway."""
+        if self.on_gpu or self.dtype == torch.float32:
+            return ()
+        return tuple(sorted({"." + ".".join(name.split(".")[-2:])
+                             for name, param in self._model.named_parameters()
+                             if param.dtype == torch.float32}))
+
+    def _pack_again(self) -> None:
+        """On CPU, after a reload: the weights vLLM packed for its CPU kernels at load, packed again
+        from the reloaded ones (class docstring): the output head (a VLM's sits in its language
+        model) and every mixture-of-experts layer's experts."""
+        for name, module in self._model.named_modules():
+            if name.split(".")[-1] == "lm_head" and hasattr(module, "quant_method"):
+                module.quant_method.process_weights_after_loading(module)
+            experts = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if experts is not None:
+                experts.fused_experts.process_weights_after_loading(module)
 
     def generate(self, prompts: list[PromptItem], version: int, validation: bool = False,
                  greedy: bool = False, n: int | None = None,
@@ -406,6 +437,33 @@ class VLLMRollout:
                           logprobs=[next(iter(step.values())).logprob for step in o.logprobs],
                           truncated=o.finish_reason == "length")
                  for o in out.outputs] for out in outputs]
+
+
+def engine_dtype(name: str, on_gpu: bool, config) -> torch.dtype:
+    """vLLM's dtype for --rollout.dtype `name`: auto is bf16 on GPU and fp32 on CPU (the trainer's
+    compute dtypes), except for a model with linear attention on CPU (Qwen3.5, Qwen3-Next), whose
+    CPU kernels run in bf16 only ("CPU GDN attention requires BF16"): bf16, and no other."""
+    if not on_gpu and has_linear_attention(config):
+        if name not in ("auto", "bfloat16"):
+            raise SystemExit(f"--rollout.dtype {name}: vLLM's CPU kernels for this model's "
+                             "linear-attention layers run in bfloat16 only; "
+                             "use --rollout.dtype auto")
+        return torch.bfloat16
+    return {"auto": torch.bfloat16 if on_gpu else torch.float32, "bfloat16": torch.bfloat16,
+            "float32": torch.float32, "float16": torch.float16}[name]
+
+
+def tie_overrides(config) -> dict:
+    """vLLM's config overrides that make it tie the output head as transformers does: a
+    vision-language model's text config may say otherwise than its top level (vLLM reads the text
+    config's flag, transformers the top level's). Untied in vLLM alone, the head is never loaded
+    (transformers saves a tied head once, as the embedding) and every log-prob is NaN; tied in vLLM
+    alone, the head is the embedding where the trainer's is not."""
+    text = config.get_text_config()
+    flag = getattr(text, "tie_word_embeddings", config.tie_word_embeddings)  # Qwen3-VL's has none
+    if text is config or flag == config.tie_word_embeddings:
+        return {}
+    return {"text_config": {"tie_word_embeddings": config.tie_word_embeddings}}
 
 
 def _cpu_shm_segments() -> list[Path]:
@@ -528,13 +586,14 @@ class HFRollout:
         count, temperature, top_p = sampling(self.cfg, validation, greedy)
         n = n or count
         limits = max_tokens or [self.cfg.max_response_length] * len(prompts)
-        # [(ids, pixel tensors or None)]
-        expanded = [expand_prompt(self.processor, p) for p in prompts]
+        # [(ids, pixel tensors or None)], each prompt's n times: a row per sample, its own pixels
+        # (transformers' own expansion for num_return_sequences mixes up Qwen3.5's video frames)
+        expanded = [row for p in prompts for row in [expand_prompt(self.processor, p)] * n]
         rows = [ids for ids, _ in expanded]
         # left padding: every prompt ends where generation starts
         P = max(map(len, rows), default=0)
-        input_ids = torch.full((len(rows), P), self.pad_id, dtype=torch.long)  # [prompts, P]
-        attention_mask = torch.zeros(len(rows), P, dtype=torch.long)  # [prompts, P]
+        input_ids = torch.full((len(rows), P), self.pad_id, dtype=torch.long)  # [prompts * n, P]
+        attention_mask = torch.zeros(len(rows), P, dtype=torch.long)  # [prompts * n, P]
         for i, row in enumerate(rows):
             input_ids[i, P - len(row):] = torch.tensor(row)
             attention_mask[i, P - len(row):] = 1
@@ -548,7 +607,7 @@ class HFRollout:
         with gathered(self.model), sampling_rng(seed, self.device):
             if not prompts:
                 return []
-            config = GenerationConfig(do_sample=not greedy, num_return_sequences=n,
+            config = GenerationConfig(do_sample=not greedy,
                                       max_new_tokens=max(limits), temperature=1.0, top_k=0,
                                       top_p=1.0, repetition_penalty=1.0,
                                       eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)

@@ -30,21 +30,21 @@ from launches import fresh_rendezvous
 from vision import Video, expand_prompt
 
 TEMPERATURE = 0.7
+MISTIED = "_mistied"  # a vision-language checkpoint whose tie flags disagree (rollout.tie_overrides)
 
 
-def logprob_gap(actor, prompts, groups, pad_id, processor=None, **support):
-    """Max |trainer - engine| log-prob over every generated token (prompts with images: `processor` expands them;
-    `support`: the top_k / top_p the trainer's log-probs are renormalised under)."""
+def logprob_gap(actor, prompts, groups, pad_id, processor=None, mean=False, **support):
+    """Max (`mean`: mean) |trainer - engine| log-prob over every generated token (prompts with images: `processor`
+    expands them; `support`: the top_k / top_p the trainer's log-probs are renormalised under)."""
     expanded = [expand_prompt(processor, p) if processor else (p["prompt_ids"], None) for p, g in zip(prompts, groups)
                 for _ in g]
     responses = [r for g in groups for r in g]
     batch = make_batch([ids for ids, _ in expanded], [r.token_ids for r in responses], pad_id,
                        vision=[images for _, images in expanded] if processor else None)
     trainer = batched_logprobs(actor, batch, temperature=TEMPERATURE, micro_batch_size=8, **support)
-    gap = 0.0
-    for b, r in enumerate(responses):
-        gap = max(gap, (trainer[b, : len(r.logprobs)] - torch.tensor(r.logprobs)).abs().max().item())
-    return gap
+    gaps = torch.cat([(trainer[b, : len(r.logprobs)] - torch.tensor(r.logprobs)).abs()
+                      for b, r in enumerate(responses)])
+    return (gaps.mean() if mean else gaps.max()).item()
 
 
 def every_rank(result: dict) -> list[dict] | None:
@@ -58,9 +58,14 @@ def generate_and_sync(engine: str, architecture: str, out: str) -> list[dict] | 
     rank, world, device = init_distributed()
     path = f"{out}.{engine}-{architecture}"
     if rank == 0:
-        build_tiny_model(architecture, path)
+        build_tiny_model(architecture.removesuffix(MISTIED), path)
+        if architecture.endswith(MISTIED):  # tied at the top level (as transformers reads it), not in the text config
+            config = json.loads(Path(path, "config.json").read_text())
+            config["text_config"]["tie_word_embeddings"] = False
+            Path(path, "config.json").write_text(json.dumps(config))
     dist.barrier()
-    actor = load_sharded_model(path, device, trainable=True, videos=architecture in VISION_ARCHITECTURES)
+    actor = load_sharded_model(path, device, trainable=True,
+                               videos=architecture.removesuffix(MISTIED) in VISION_ARCHITECTURES)
     max_tokens = 3 if engine == "hf" and rank == 0 else 12
     cfg = RolloutConfig(engine=engine, n=8, max_response_length=max_tokens, temperature=TEMPERATURE)
     rollout = build_rollout(cfg, path, max_model_len=128, device=device, model=actor)
@@ -75,7 +80,7 @@ def generate_and_sync(engine: str, architecture: str, out: str) -> list[dict] | 
     gap_full_softmax = logprob_gap(actor, prompts, truncated, 0)
     # vision-language models: a prompt with one image placeholder (vLLM expands it), before and after the sync
     image_prompts = []
-    if architecture in VISION_ARCHITECTURES:
+    if architecture.removesuffix(MISTIED) in VISION_ARCHITECTURES:
         tokenizer = AutoTokenizer.from_pretrained(path)
         start, pad, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
         image_prompts = [{"prompt_ids": [1, start, pad, end, 40 + rank, 41], "images": [Image.new("RGB", (56, 56), c)]}
@@ -86,9 +91,11 @@ def generate_and_sync(engine: str, architecture: str, out: str) -> list[dict] | 
     image_groups = rollout.generate(image_prompts, version=0) if image_prompts else []
 
     torch.manual_seed(rank)
+    # a bf16 engine's rounding grows with the logits: smaller changes keep its gap readable
+    noise = 0.02 if getattr(rollout, "dtype", None) == torch.bfloat16 else 0.2
     with torch.no_grad():
         for param in actor.parameters():
-            param.add_(torch.randn_like(param) * 0.2)
+            param.add_(torch.randn_like(param) * noise)
     gap_stale = logprob_gap(actor, prompts, before, pad_id=0)
     stale_error = ""
     try:
@@ -97,15 +104,27 @@ def generate_and_sync(engine: str, architecture: str, out: str) -> list[dict] | 
         stale_error = str(exc)
     rollout.sync_weights(actor, version=1)
     after = rollout.generate(prompts, version=1)
-    gap_synced = logprob_gap(actor, prompts, after, pad_id=0)
+    gap_synced, mean_synced = (logprob_gap(actor, prompts, after, pad_id=0, mean=mean) for mean in (False, True))
     image_after = rollout.generate(image_prompts, version=1) if image_prompts else []  # the same images again
     image_gap = logprob_gap(actor, image_prompts, image_after, 0, AutoProcessor.from_pretrained(path)) \
         if image_prompts else 0.0
     image_groups += image_after
+    # a second sync of changed weights: what the first sync packed for the CPU kernels is packed again
+    with torch.no_grad():
+        for param in actor.parameters():
+            param.add_(torch.randn_like(param) * noise)
+    rollout.sync_weights(actor, version=2)
+    gap_resynced = logprob_gap(actor, prompts, rollout.generate(prompts, version=2), pad_id=0)
+    full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in actor.named_parameters()}
+    # what a bf16 engine keeps in fp32 (Gated DeltaNet's A_log) holds the trainer's fp32 values, by the names from
+    # "layers." on (vLLM's and transformers' prefixes differ)
+    by_layer = {name[name.find("layers."):]: tensor for name, tensor in full.items()}
+    kept_fp32 = {name[name.find("layers."):]: p for name, p in rollout._model.named_parameters()
+                 if p.dtype == torch.float32} if engine == "vllm" and rollout.dtype == torch.bfloat16 else {}
+    fp32_exact = all(torch.equal(p.cpu(), by_layer[name]) for name, p in kept_fp32.items())
 
     # the weight stream casts each shard before its gather: bf16 tensors equal to the full fp32 ones, cast
     streamed = dict(stream_full_weights(actor, torch.bfloat16, device))
-    full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in actor.named_parameters()}
     stream_exact = all(streamed[k].dtype == torch.bfloat16 and torch.equal(streamed[k], full[k].bfloat16())
                        for k in full)
     # the frozen reference stored in bf16 (as on GPU): the checkpoint's log-probs (the first samples') within bf16
@@ -118,9 +137,10 @@ def generate_and_sync(engine: str, architecture: str, out: str) -> list[dict] | 
         "responses": [[{"token_ids": r.token_ids, "truncated": r.truncated, "n_logprobs": len(r.logprobs)} for r in g]
                       for g in before + after],
         "gap_initial": gap_initial, "gap_truncated": gap_truncated, "gap_full_softmax": gap_full_softmax,
-        "gap_stale": gap_stale, "gap_synced": gap_synced, "stale_error": stale_error,
+        "gap_stale": gap_stale, "gap_synced": gap_synced, "mean_synced": mean_synced, "gap_resynced": gap_resynced,
+        "stale_error": stale_error, "kept_fp32": sorted(kept_fp32), "fp32_exact": fp32_exact,
         "tied": bool(getattr(actor.config, "tie_word_embeddings", False)),
-        "stream_exact": stream_exact, "ref_dtypes": ref_dtypes, "ref_gap": ref_gap,
+        "stream_exact": stream_exact, "bf16_engine": noise == 0.02, "ref_dtypes": ref_dtypes, "ref_gap": ref_gap,
         "image_group_sizes": [len(g) for g in image_groups], "image_gap": image_gap,
     }
     results = every_rank(result)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from transformers import Qwen2Config
 
 from conftest import ENGINE_GAP, over_cases
 
@@ -113,8 +114,10 @@ def gpu_stand_in(monkeypatch):
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.empty(0))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: None)
-    monkeypatch.setattr(rollout, "stream_full_weights",
-                        lambda model, dtype, device: fsdp_utils.stream_full_weights(model, dtype, torch.device("cpu")))
+    monkeypatch.setattr(rollout, "stream_full_weights", lambda model, dtype, device, fp32: (
+        fsdp_utils.stream_full_weights(model, dtype, torch.device("cpu"), fp32)))
+    # the checkpoint "model": a text model's config (as RecordingLLM's)
+    monkeypatch.setattr(rollout, "AutoConfig", SimpleNamespace(from_pretrained=lambda path: Qwen2Config()))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield torch.device("cuda", 0)
     dist.destroy_process_group()
