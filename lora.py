@@ -25,6 +25,7 @@ Design decisions:
   checkpoint).
 """
 
+import re
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -84,8 +85,9 @@ def adapters_off(model):
 def base_name(name: str) -> str:
     """peft's parameter name -> the base model's:
     'base_model.model.model.layers.0.mlp.up_proj.base_layer.weight'
-    -> 'model.layers.0.mlp.up_proj.weight'."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    -> 'model.layers.0.mlp.up_proj.weight'; a mixture's experts, adapted by nested wrappers:
+    '...mlp.experts.base_layer.base_layer.down_proj' -> '...mlp.experts.down_proj'."""
+    return re.sub(r"(\.base_layer)+\.", ".", name.removeprefix("base_model.model."))
 
 
 def _full(tensor: torch.Tensor, device: torch.device,
@@ -98,26 +100,47 @@ def _full(tensor: torch.Tensor, device: torch.device,
 
 
 @torch.no_grad()
-def merged_weights(model, dtype: torch.dtype,
-                   device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(base model name, full tensor in `dtype`) of the adapted model, W + (alpha / rank) B A for
-    every layer with an adapter, one parameter at a time. Every rank must consume the whole stream
-    in the same order (each gather is a collective). The model itself is not changed.
+def merged_weights(model, dtype: torch.dtype, device: torch.device,
+                   fp32: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base model name, full tensor in `dtype`; fp32 for the names ending with one of `fp32`) of
+    the adapted model, W + (alpha / rank) B A for every weight with an adapter, one parameter at a
+    time. Every rank must consume the whole stream in the same order (each gather is a collective).
+    The model itself is not changed.
 
     W is gathered in its stored dtype (bf16 on GPU: half the bytes of fp32) and upcast after, for
     the sum in fp32; the other weights are cast to `dtype` before their gather, as in a
     full-parameter stream.
     """
-    layers = {name: module for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    modules = {id(module): name for name, module in model.named_modules()}
+    adapted = {}  # the name of each adapted parameter -> its adapter's layer
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "parameter_name"):
+            # peft's wrapper of one parameter of a module (a mixture's experts: nested, one each)
+            adapted[f"{modules[id(module.get_base_layer())]}.{module.parameter_name}"] = module
+        elif hasattr(module, "lora_A"):
+            adapted[f"{name}.base_layer.weight"] = module
     for name, param in model.named_parameters():
         if ".lora_A." in name or ".lora_B." in name:
             continue
-        if (name.endswith(".base_layer.weight")
-                and name.removesuffix(".base_layer.weight") in layers):
-            layer = layers[name.removesuffix(".base_layer.weight")]
-            a = _full(layer.lora_A[ADAPTER].weight, device).float()  # [rank, in]
-            b = _full(layer.lora_B[ADAPTER].weight, device).float()  # [out, rank]
-            yield base_name(name), (_full(param, device).float()
-                                    + layer.scaling[ADAPTER] * (b @ a)).to(dtype)
+        if name in adapted:
+            update = _update(adapted[name], device)
+            yield base_name(name), (_full(param, device).float() + update).to(dtype)
         else:
-            yield base_name(name), _full(param, device, dtype)
+            kept = torch.float32 if base_name(name).endswith(fp32) else dtype
+            yield base_name(name), _full(param, device, kept)
+
+
+def _update(layer, device: torch.device) -> torch.Tensor:
+    """The adapter's update of its weight in fp32, (alpha / rank) B A. A mixture's experts (a 3-D
+    weight [experts, ...]) have one update each, B_e A_e, from A [experts x rank, in] and
+    B [out, rank x experts] as peft lays them out, ordered as the weight is ([experts, out, in] or
+    [experts, in, out])."""
+    a = _full(layer.lora_A[ADAPTER].weight, device).float()  # [rank, in]
+    b = _full(layer.lora_B[ADAPTER].weight, device).float()  # [out, rank]
+    experts = getattr(layer, "num_experts", 1)
+    if experts == 1:
+        return layer.scaling[ADAPTER] * (b @ a)
+    a = a.reshape(experts, -1, a.shape[-1])  # [experts, rank, in]
+    b = b.reshape(b.shape[0], -1, experts)  # [out, rank, experts]
+    order = "eoi" if layer._did_swap_in_out_features else "eio"
+    return layer.scaling[ADAPTER] * torch.einsum(f"ore,eri->{order}", b, a)

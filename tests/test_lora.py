@@ -22,6 +22,7 @@ from launches import launched_run, uses_runs
 from fsdp_utils import load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
 from lora import LoRAConfig, adapters_off, base_name
+from plumbing.attention import linear_attention_per_sequence
 from plumbing.checkpoints import save_checkpoint
 from plumbing.tiny import build_tiny_model
 from scripts.merge import merge
@@ -88,19 +89,26 @@ def test_only_adapters_train_and_switched_off_they_give_the_base_model(tiny, wor
     assert (adapted - base).abs().max() > 1e-2
 
 
-def test_merged_stream_is_the_adapted_model_and_never_touches_the_base(tiny, world_of_one):
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3_moe", "qwen3_next"])
+def test_merged_stream_is_the_adapted_model_and_never_touches_the_base(tiny, world_of_one, architecture, tmp_path):
     """The engine's weights (merged while streaming) in a plain HF model give the adapted model's log-probs; 50
-    streams later the sharded base weights are bitwise what they were (nothing is merged into the model)."""
-    model = load_sharded_model(tiny, torch.device("cpu"), trainable=True, lora=LORA)
+    streams later the sharded base weights are bitwise what they were (nothing is merged into the model). Mixtures
+    of experts: peft adapts the experts' 3-D weights (an update per expert) and the router too."""
+    path = tiny if architecture == "qwen2" else str(build_tiny_model(architecture, tmp_path / architecture))
+    model = load_sharded_model(path, torch.device("cpu"), trainable=True, lora=LORA)
     nudge(model, "lora_")
     base_before = {n: full(p).clone() for n, p in model.named_parameters() if "lora_" not in n}
     merged = dict(stream_full_weights(model, torch.float32, torch.device("cpu")))
     assert set(merged) == {base_name(n) for n in base_before} and all(".base_layer" not in n for n in merged)
-    plain = AutoModelForCausalLM.from_pretrained(tiny)
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    linear_attention_per_sequence(plain)  # Qwen3-Next's packed rows, as the trainer runs them
+    assert set(merged) <= set(plain.state_dict())
     plain.load_state_dict(merged, strict=False)  # the tied head is the embedding
     batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
-    torch.testing.assert_close(batched_logprobs(plain, batch, 1.0, 3), batched_logprobs(model, batch, 1.0, 3),
-                               atol=1e-5, rtol=0)
+    adapted = batched_logprobs(model, batch, 1.0, 3)
+    torch.testing.assert_close(batched_logprobs(plain, batch, 1.0, 3), adapted, atol=1e-5, rtol=0)
+    with adapters_off(model):
+        assert (batched_logprobs(model, batch, 1.0, 3) - adapted).abs().max() > 1e-3  # the adapters change it
     for _ in range(50):
         for _ in stream_full_weights(model, torch.float32, torch.device("cpu")):
             pass
