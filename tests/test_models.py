@@ -1,0 +1,169 @@
+"""The current generation, trained exactly: Qwen3.5 (what its checkpoints declare, a vision-language model, and its
+language model alone), Qwen3-MoE and Qwen3-Next, at tiny sizes (plumbing/tiny.py: one linear-attention and one
+full-attention layer where the family has both, 4 experts of which 2 per token where it has experts).
+
+- Packed rows: each sequence's log-probs and the gradients as the sequence alone (plumbing/attention.py runs every
+  linear-attention layer once per packed sequence; without that, the layer's state runs on from one sequence into
+  the next). Qwen3.5's vision-language form: test_logprobs.py's packed test, images and videos.
+- Both engines after a sync of changed weights (tests/rollout_worker.py): vLLM runs the linear-attention models in
+  bf16 on a CPU (its only kernels for them), so their gap is bf16's (ENGINE_GAP_BF16); the experts of a mixture are
+  packed again after every reload (without it the engine's experts are garbage after the first sync); what a bf16
+  engine keeps in fp32 (Gated DeltaNet's A_log) gets the trainer's fp32 values; a Qwen3.5 checkpoint whose tie flags
+  disagree is tied in the engine as the trainer ties it (without it, every log-prob is NaN).
+- The refusals: sequence parallelism for a linear-attention model, an fp32 vLLM for one on a CPU.
+- What LoRA adapts on each: attention, linear attention, the experts' 3-D weights and the router.
+2 steps under torchrun of each family: test_train.py (Qwen3-MoE with LoRA, Qwen3-Next with the real vocabulary after
+a refused sequence-parallel start) and its vision-language runs (Qwen3.5, on images, videos and text).
+"""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3VLConfig
+
+from conftest import ENGINE_GAP, ENGINE_GAP_BF16, ENGINE_GAP_BF16_MAX, over_cases
+from logprobs import make_batch, response_logprobs
+from lora import LoRAConfig, add_adapters
+from plumbing.attention import PACKED_SDPA, linear_attention_per_sequence
+from plumbing.tiny import build_tiny_model
+from rollout import engine_dtype, tie_overrides
+from sequence_parallel import SequenceParallel
+from test_logprobs import PROMPTS, RESPONSES, assert_same_gradients, gradients
+
+TEXT_FAMILIES = ["qwen3_5_text", "qwen3_moe", "qwen3_next"]
+HYBRID = ["qwen3_5_text", "qwen3_next"]  # with linear attention
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("models")
+    return {name: build_tiny_model(name, folder / name) for name in [*TEXT_FAMILIES, "qwen3_5"]}
+
+
+def trainer_model(path, split: bool = True):
+    """The model with the trainer's attention, and (`split`) its linear attention once per packed sequence, as
+    fsdp_utils.load_sharded_model builds it."""
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED_SDPA)
+    if split:
+        linear_attention_per_sequence(model)
+    return model
+
+
+@pytest.mark.parametrize("architecture", TEXT_FAMILIES)
+def test_a_packed_row_gives_each_sequence_its_own_values_and_gradients(paths, architecture):
+    """Five sequences of different lengths packed into one row: log-probs equal to the padded batch's and to each
+    sequence's alone (~1e-6 measured), gradients equal to the padded batch's."""
+    model = trainer_model(paths[architecture])
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    with torch.no_grad():
+        packed, padded = response_logprobs(model, batch, 1.0, True), response_logprobs(model, batch, 1.0, False)
+        alone = torch.stack([response_logprobs(model, batch.select([b]), 1.0, False)[0] for b in range(len(batch))])
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    weights = torch.randn(packed.shape, generator=torch.Generator().manual_seed(3))
+    assert_same_gradients(gradients(model, lambda: response_logprobs(model, batch, 1.0, False), weights),
+                          gradients(model, lambda: response_logprobs(model, batch, 1.0, True), weights))
+
+
+@pytest.mark.parametrize("architecture", HYBRID)
+def test_without_the_split_linear_attention_runs_on_into_the_next_sequence(paths, architecture):
+    """Why the split exists: transformers' layer, given the packing, still carries its state across the sequences of
+    a packed row (0.02-0.03 nats here). The first sequence is untouched; the later ones differ. Should transformers
+    start honouring the boundaries, this fails, and the split can go."""
+    model = trainer_model(paths[architecture], split=False)
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    with torch.no_grad():
+        gap = (response_logprobs(model, batch, 1.0, True) - response_logprobs(model, batch, 1.0, False)).abs()
+    assert gap[0].max() < 1e-5 and gap[1:].max() > 1e-3
+
+
+def test_sequence_parallelism_is_refused_for_linear_attention(paths):
+    """One line naming the flag, before any process group is used (a model without linear attention goes on to the
+    group, which this test has none of: its refusal is about the heads or needs a group)."""
+    with pytest.raises(SystemExit, match=r"^--actor.sequence-parallel-size 2: the model's linear-attention layers"):
+        SequenceParallel.build(2, str(paths["qwen3_next"]))
+    with pytest.raises(SystemExit, match="linear-attention"):
+        SequenceParallel.build(2, str(paths["qwen3_5"]))  # the vision-language form: its text config says it
+
+
+def test_vllm_on_a_cpu_runs_linear_attention_in_bf16_and_refuses_fp32(paths):
+    hybrid, moe = AutoConfig.from_pretrained(paths["qwen3_next"]), AutoConfig.from_pretrained(paths["qwen3_moe"])
+    assert engine_dtype("auto", False, hybrid) == torch.bfloat16 == engine_dtype("bfloat16", False, hybrid)
+    assert engine_dtype("auto", False, moe) == torch.float32 and engine_dtype("auto", True, hybrid) == torch.bfloat16
+    with pytest.raises(SystemExit, match="^--rollout.dtype float32: .* bfloat16 only"):
+        engine_dtype("float32", False, hybrid)
+    assert engine_dtype("float32", True, hybrid) == torch.float32  # a GPU's kernels take it
+
+
+def test_the_engine_ties_the_head_as_the_trainer_does(paths):
+    """transformers ties a vision-language model's head by the top-level flag (checked here on the model), vLLM by
+    the text config's: the engine is told the top-level one where they disagree, and nothing where they agree."""
+    from transformers import AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(paths["qwen3_5"])
+    assert tie_overrides(config) == {} and tie_overrides(AutoConfig.from_pretrained(paths["qwen3_moe"])) == {}
+    assert tie_overrides(Qwen3VLConfig()) == {}  # a text config without a flag of its own: nothing to say
+    config.text_config.tie_word_embeddings = False
+    assert tie_overrides(config) == {"text_config": {"tie_word_embeddings": True}}
+    model = AutoModelForImageTextToText.from_config(config)
+    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+
+
+ATTENTION = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
+EXPERTS = {"mlp.experts.base_layer [gate_up_proj]", "mlp.experts [down_proj]", "mlp.gate [weight]"}
+
+
+@pytest.mark.parametrize("architecture, adapted", [
+    ("qwen3_5_text", ATTENTION | {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                                  "linear_attn.in_proj_a", "linear_attn.out_proj", "mlp.gate_proj", "mlp.up_proj",
+                                  "mlp.down_proj"}),
+    ("qwen3_moe", ATTENTION | EXPERTS),
+    ("qwen3_next", ATTENTION | EXPERTS | {"linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.out_proj",
+                                          "mlp.shared_expert_gate"}),
+])
+def test_what_lora_adapts(paths, architecture, adapted):
+    """--lora.rank with all-linear, as peft 0.21 resolves it on transformers 5's models: every linear layer of
+    attention, linear attention and a dense MLP; a mixture's experts through their 3-D weights (a wrapper per weight,
+    nested: an update per expert) and its router's weight. Not the convolution, the norms or the head; and not
+    Qwen3-Next's shared expert's projections: peft maps the names gate_proj, up_proj and down_proj of a mixture to
+    its routed experts' fused weights (its conversion of transformers 4 adapters), the shared expert's included
+    (its gate, a linear layer of another name, keeps its adapter). lora.merged_weights merges each into the engine's
+    weights: test_lora.py."""
+    model = add_adapters(AutoModelForCausalLM.from_pretrained(paths[architecture]), LoRAConfig(rank=4))
+    names = {name.split(".layers.")[1].split(".", 1)[1]
+             + (f" [{module.parameter_name}]" if hasattr(module, "parameter_name") else "")
+             for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert names == adapted
+
+
+CASES = [("vllm", "qwen3_5_text"), ("vllm", "qwen3_5"), ("vllm", "qwen3_5_mistied"), ("vllm", "qwen3_moe"),
+         ("vllm", "qwen3_next"), ("hf", "qwen3_5"), ("hf", "qwen3_next")]
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> dict:
+    """tests/rollout_worker.py over every case, in one launch."""
+    return over_cases("tests/rollout_worker.py", CASES, tmp_path_factory.mktemp("families") / "result.json")
+
+
+@pytest.mark.parametrize("engine, architecture", CASES)
+@pytest.mark.slow
+def test_the_engine_follows_the_trainer_through_two_syncs_of_changed_weights(generated, engine, architecture):
+    """The engine's log-probs of its own samples against the trainer's: at the start, after a sync of changed weights
+    and after a second one; a stale engine is far off. bf16 engines (vLLM's linear attention on a CPU): a mean of
+    bf16 rounding (~3e-3 measured), single tokens up to ~0.2 in a mixture of experts (rounding flips near-ties
+    between experts), with the weights changed less (their rounding grows with the logits)."""
+    results = generated[f"{engine}:{architecture}"]
+    for r in results:
+        assert r["n_per_prompt"] == [8, 8, 8, 8] and r["stream_exact"]
+        assert r["bf16_engine"] == (engine == "vllm" and "moe" not in architecture)
+        if r["bf16_engine"]:
+            assert r["mean_synced"] < ENGINE_GAP_BF16 and r["gap_synced"] < ENGINE_GAP_BF16_MAX
+            assert r["gap_initial"] < ENGINE_GAP_BF16_MAX and r["gap_resynced"] < ENGINE_GAP_BF16_MAX
+            assert r["gap_stale"] > 1.0, "the change must move the log-probs far beyond bf16 rounding"
+            assert r["kept_fp32"] == ["layers.0.linear_attn.A_log"] and r["fp32_exact"]
+        else:
+            assert max(r["gap_initial"], r["gap_synced"], r["gap_resynced"]) < ENGINE_GAP
+            assert r["gap_stale"] > 0.05
+        if architecture.startswith("qwen3_5") and architecture != "qwen3_5_text":  # images and a video, after a sync
+            assert r["image_group_sizes"] == [8] * 6
+            assert r["image_gap"] < (ENGINE_GAP_BF16_MAX if r["bf16_engine"] else ENGINE_GAP)
