@@ -4,7 +4,8 @@ Size a run by hand (prints the per-GPU table; exits with the refusal message if 
     python -m plumbing.memory Qwen/Qwen2.5-7B-Instruct --gpus 8 --gpu-gib 80 --micro-batch-size 4 --seq-len 2048
 
 What is estimated, per GPU: P parameters, W GPUs, T tokens per micro-batch (micro_batch_size x max_seq_len, or
-the token budget --actor.max-tokens-per-micro-batch), L layers, h hidden size, I MLP width, V vocabulary,
+the token budget --actor.max-tokens-per-micro-batch), L layers, h hidden size, I MLP width (a mixture of experts:
+the width of the k experts a token is routed to, plus a shared expert's), V vocabulary,
 p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of AdamW moments per parameter
 (2p with torch's AdamW, 4 with --actor.optimizer adamw_bf16). What is resident at each point of a step must fit:
 - rollout (the engine generates, the trainer waits):
@@ -16,11 +17,12 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
     vLLM: its whole budget, gpu_memory_utilization x GPU memory, on top of what the process holds (vLLM
       measures from its own start); inside it: weights 2P/tp, its profiling run's peak, CUDA graphs, KV cache;
     or the HF engine: the model gathered in bf16 (2P) + the KV cache of one micro-batch
-      (T x L x 2 x kv_heads x head_dim x 2)
+      (T x L' x 2 x kv_heads x head_dim x 2, L' the full-attention layers: a linear-attention one has a small state)
     overhead: 2 GiB (CUDA context, NCCL buffers, allocator fragmentation)
 - sync (vLLM engine only: its weights are awake and reloaded, its KV cache not yet; rollout.sync_weights):
     actor and reference as in training (the state leaves, when offloaded, only before the KV cache wakes)
-    vLLM weights 2P/tp, one full tensor being streamed in bf16 (the largest: embedding or MLP matrix), and its
+    vLLM weights 2P/tp, one full tensor being streamed in bf16 (the largest: the embedding, or a mixture's experts
+      of a layer, [E, 2 x I_expert, h]), and its
       CUDA graphs (1 GiB; their pool is not freed by sleep), overhead
 - training (forward/backward of one micro-batch; vLLM asleep, its weights and KV cache off the GPU):
     actor with gradients: (2p + m)P/W, fp32: 16P/W; reference 2P/W (0 under FSDP2's CPU offload; every unit,
@@ -54,8 +56,12 @@ Design decisions:
   sampler logits of its max_num_seqs, 1,024 or 256: x V x 8 bytes; the defaults of the vLLM that the
   requirements pin, docs/install.md), its CUDA graphs (1 GiB unless --rollout.enforce-eager) and at least
   1 GiB of KV cache.
-- Assumptions that make it an estimate: every sequence at full length (an upper bound); bf16 compute;
-  CUDA graphs and caching beyond the fixed overhead are constants, not measurements.
+- A mixture of experts stores all its parameters (P, in every sharded state, the engine's weights) and computes
+  with its active ones: a token's activations span the k experts it is routed to (I above). The table and the
+  start-up line show both counts (Qwen3-30B-A3B: 30.5B, 3.35B active, embeddings included).
+- Assumptions that make it an estimate: every sequence at full length (an upper bound); bf16 compute; a
+  linear-attention layer's activations counted as an attention layer's (17h); CUDA graphs and caching beyond the
+  fixed overhead are constants, not measurements.
   `perf/peak_memory_gib` (allocated) and `perf/peak_memory_reserved_gib` (what sizing needs: the allocator's
   cache included) in a real run's metrics are the measurements to trust.
 """
@@ -68,6 +74,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
+from plumbing.attention import has_linear_attention
 from plumbing.tiny import model_class, resolve_model
 
 GiB = 2**30
@@ -86,29 +93,62 @@ ACTOR_STATE = "actor: params + AdamW states"
 LOGITS = "logits of one head chunk"
 
 
-def _parameter_counts(model_config) -> tuple[int, int, int]:
-    """(all parameters, the root FSDP unit's, the largest block's): the model built on the meta device.
+@dataclass(frozen=True)
+class Counts:
+    """Parameter counts of the model a config describes, tied weights once."""
+    total: int
+    root: int
+    """The root FSDP unit's: all but the blocks (embeddings, final norm, untied output head)."""
+    layer: int
+    """The largest block's (the modules named in `_no_split_modules`, the units fsdp_utils shards one by one)."""
+    active: int
+    """What one token computes with: a mixture's experts count k of E (top-k routing); the total for a dense model."""
+    largest: int
+    """The largest single tensor (what the weight sync streams at once): the embedding, or a mixture's experts."""
 
-    Blocks are the modules named in `_no_split_modules`, the units fsdp_utils shards one by one; the root
-    holds the rest (embeddings, final norm, untied output head). Tied weights are counted once.
-    """
+
+def _parameter_counts(model_config) -> Counts:
+    """The counts of the model built on the meta device (shapes, no memory)."""
     return _counts_of(model_config.to_json_string())
 
 
 @functools.lru_cache
-def _counts_of(config_json: str) -> tuple[int, int, int]:
+def _counts_of(config_json: str) -> Counts:
     model_config = AutoConfig.for_model(**json.loads(config_json))
     with torch.device("meta"):
         model = model_class(model_config).from_config(model_config)
     names = set(model._no_split_modules or [])
     blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names]
-    total = sum(p.numel() for p in model.parameters())  # parameters() yields a shared (tied) tensor once
-    return total, total - sum(blocks), max(blocks, default=0)
+    params = dict(model.named_parameters())  # a shared (tied) tensor once
+    total = sum(p.numel() for p in params.values())
+    text = model_config.get_text_config()
+    experts = sum(p.numel() for name, p in params.items() if ".experts." in name)
+    idle = experts - experts * getattr(text, "num_experts_per_tok", 1) // (_experts(text) or 1)
+    return Counts(total, total - sum(blocks), max(blocks, default=0), total - idle,
+                  max(p.numel() for p in params.values()))
+
+
+def _experts(text) -> int:
+    """Routed experts per layer of a mixture of experts (Qwen3-MoE's, Qwen3-Next's); 0 for a dense model."""
+    return getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
+
+
+def mlp_width(text) -> int:
+    """The MLP width each token's activations span: a dense MLP's intermediate size; in a mixture of experts, its
+    top-k experts' (and a shared expert's) widths."""
+    if _experts(text):
+        shared = getattr(text, "shared_expert_intermediate_size", 0) or 0
+        return text.num_experts_per_tok * text.moe_intermediate_size + shared
+    return getattr(text, "intermediate_size", None) or 4 * text.hidden_size
 
 
 def count_parameters(model_config) -> int:
     """Exact parameter count of the model a config describes, tied weights once (Qwen2.5-7B: 7,615,616,512)."""
-    return _parameter_counts(model_config)[0]
+    return _parameter_counts(model_config).total
+
+
+def billions(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e8 else f"{n / 1e6:.3g}M"
 
 
 def gib(n: int) -> str:
@@ -128,6 +168,15 @@ class MemoryEstimate:
     vllm_needs: int = 0
     """Bytes vLLM's budget must hold to start: weights (2P / tensor_parallel_size), its profiling peak, CUDA graphs,
     1 GiB of KV cache; 0: HF engine."""
+    parameters: int = 0
+    """The model's parameters, P: what is stored."""
+    active_parameters: int = 0
+    """What one token computes with (a mixture of experts: k of E experts); P for a dense model."""
+
+    def model(self) -> str:
+        active = (f", {billions(self.active_parameters)} active per token"
+                  if self.active_parameters < self.parameters else "")
+        return f"{billions(self.parameters)} parameters{active}"
 
     @property
     def rollout_total(self) -> int:
@@ -147,7 +196,7 @@ class MemoryEstimate:
                 (("rollout", self.rollout), ("sync", self.sync), ("training", self.training)) if items]
 
     def table(self) -> str:
-        lines = [f"per-GPU memory estimate, GiB (GPU: {gib(self.gpu_bytes)} GiB)"]
+        lines = [f"per-GPU memory estimate, GiB (GPU: {gib(self.gpu_bytes)} GiB; model: {self.model()})"]
         for phase, items, total in self.phases():
             fits = "fits" if total <= self.gpu_bytes else "DOES NOT FIT"
             lines.append(f"{phase + ' phase':<44}{gib(total):>7}  {fits}")
@@ -162,7 +211,7 @@ class MemoryEstimate:
     def summary(self) -> str:
         training = f", training {self.training_total / GiB:.1f} GiB" if self.training else " (an evaluation)"
         return (f"memory estimate per GPU (plumbing/memory.py): rollout {self.rollout_total / GiB:.1f} GiB{training}, "
-                f"of {self.gpu_bytes / GiB:.1f} GiB")
+                f"of {self.gpu_bytes / GiB:.1f} GiB ({self.model()})")
 
 
 def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, micro_batch_size: int, max_seq_len: int,
@@ -178,10 +227,10 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     over N = 4: the activations of a micro-batch of T tokens are those of T/4 (each rank holds a quarter of the row).
     `evaluation`: --trainer.val-only (no training phase, the actor its params only); `reward_model_params`: R.
     """
-    P, root, layer = _parameter_counts(model_config)
+    counts = _parameter_counts(model_config)
+    P, root, layer = counts.total, counts.root, counts.layer
     text = model_config.get_text_config()  # a VLM's language model; a text model's own config
-    h, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
-    I = getattr(text, "intermediate_size", None) or 4 * h
+    h, L, V, I = text.hidden_size, text.num_hidden_layers, text.vocab_size, mlp_width(text)
     T, W = max_tokens_per_micro_batch or micro_batch_size * max_seq_len, world_size
     on_gpu = 0 if cpu_offload else 1
     resident = 0 if cpu_offload or offload_while_generating else 1  # while the engine generates
@@ -204,8 +253,10 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or h // heads
+        # linear-attention layers (Qwen3.5's, Qwen3-Next's) keep a state of fixed size, not a KV cache
+        cached = sum(kind != "linear_attention" for kind in getattr(text, "layer_types", None) or ["full"] * L)
         engine_items = {"HF engine: gathered bf16 params": 2 * P,
-                        HF_KV_CACHE: T * L * 2 * kv_heads * head_dim * 2}  # K and V, bf16
+                        HF_KV_CACHE: T * cached * 2 * kv_heads * head_dim * 2}  # K and V, bf16
         vllm_needs = 0
     else:
         raise ValueError(f"unknown rollout engine {engine!r}: vllm or hf")
@@ -215,7 +266,7 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     rollout = {ACTOR_STATE: resident * state_bytes * P // W,
                **{k: resident * v for k, v in frozen.items()}, **engine_items, OVERHEAD: 2 * GiB}
     sync = {ACTOR_STATE: on_gpu * state_bytes * P // W, **{k: on_gpu * v for k, v in frozen.items()},
-            VLLM_WEIGHTS: 2 * P // tensor_parallel_size, STREAMED: 2 * h * max(V, I), **graphs,
+            VLLM_WEIGHTS: 2 * P // tensor_parallel_size, STREAMED: 2 * counts.largest, **graphs,
             OVERHEAD: 2 * GiB} if engine == "vllm" else {}
     training = {ACTOR_STATE + " + grads": on_gpu * training_bytes * P // W,
                 **{k: on_gpu * v for k, v in frozen.items()},
@@ -223,7 +274,7 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                 GRADIENTS: 0 if lora else 2 * (root + 2 * layer) + 4 * max(root, layer),
                 ACTIVATIONS + (" (checkpointed)" if gradient_checkpointing else ""): activations,
                 LOGITS: min(held, CHUNK_TOKENS) * V * 16, **graphs, OVERHEAD: 2 * GiB} if not evaluation else {}
-    return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs)
+    return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs, P, counts.active)
 
 
 def _advice(phase: str, items: dict[str, int], e: MemoryEstimate, options: dict) -> list[str]:
@@ -335,6 +386,32 @@ SETUPS = {  # the README's hardware table: name -> estimate_memory options
     "the same, sequence parallel 4": dict(param_bytes=2, moment_bytes=4, max_seq_len=32768, sequence_parallel_size=4)}
 
 
+def current_generation() -> dict:
+    """The current generation's public configs, by name: Qwen3.5 (vision-language; 3 Gated DeltaNet layers to each
+    attention layer), Qwen3-MoE and Qwen3-Next (hybrid and mixture of experts)."""
+    from transformers import Qwen3_5Config, Qwen3MoeConfig, Qwen3NextConfig
+
+    def qwen3_5(h, inner, layers, heads, value_heads, tied, vision):
+        text = dict(hidden_size=h, intermediate_size=inner, num_hidden_layers=layers, num_attention_heads=heads,
+                    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=value_heads,
+                    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4), vocab_size=248320,
+                    tie_word_embeddings=tied)
+        depth, width, vision_inner = vision
+        return Qwen3_5Config(text_config=text, tie_word_embeddings=tied, vision_config=dict(
+            depth=depth, hidden_size=width, intermediate_size=vision_inner, num_heads=16, out_hidden_size=h))
+
+    experts = dict(hidden_size=2048, num_hidden_layers=48, vocab_size=151936, tie_word_embeddings=False)
+    return {"Qwen3.5-4B": qwen3_5(2560, 9216, 32, 16, 32, True, (24, 1024, 4096)),
+            "Qwen3.5-9B": qwen3_5(4096, 12288, 32, 16, 32, False, (27, 1152, 4304)),
+            "Qwen3.5-27B": qwen3_5(5120, 17408, 64, 24, 48, False, (27, 1152, 4304)),
+            "Qwen3-30B-A3B": Qwen3MoeConfig(num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                            **experts),
+            "Qwen3-Next-80B-A3B": Qwen3NextConfig(num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                                  num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                                                  shared_expert_intermediate_size=512, **experts)}
+
+
 def gpus_needed(model_config, gpu_bytes: int, **options) -> tuple[int, int] | None:
     """(GPUs, vLLM tensor-parallel size): the fewest GPUs (a power of two up to 256, at least one sequence-parallel
     group) on which both phases fit, with the smallest tensor-parallel size whose share of the engine's weights fits
@@ -349,21 +426,34 @@ def gpus_needed(model_config, gpu_bytes: int, **options) -> tuple[int, int] | No
     return None
 
 
-def hardware_table(gpu_gib: float = 80.0) -> str:
-    """GPUs of `gpu_gib` needed to train each Qwen2.5 size with each SETUPS entry (Markdown), for a run with KL,
-    vLLM at 0.5 of each GPU, micro-batches of 8,192 tokens (or the entry's sequence length) and gradient
-    checkpointing; sequence parallelism needs the model's attention heads to split over a group."""
+def qwen2_5() -> dict:
+    """The Qwen2.5 sizes' configs, by size (QWEN2_5_SHAPES)."""
     from transformers import Qwen2Config
 
-    lines = ["| setup | " + " | ".join(QWEN2_5_SHAPES) + " |", "|---|" + "---|" * len(QWEN2_5_SHAPES)]
+    return {size: Qwen2Config(hidden_size=h, intermediate_size=inner, num_hidden_layers=layers,
+                              num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                              tie_word_embeddings=tied)
+            for size, (h, inner, layers, heads, kv, vocab, tied) in QWEN2_5_SHAPES.items()}
+
+
+def hardware_table(gpu_gib: float = 80.0, models: dict | None = None) -> str:
+    """GPUs of `gpu_gib` needed to train each model (name -> config; the Qwen2.5 sizes by default) with each SETUPS
+    entry (Markdown), for a run with KL, vLLM at 0.5 of each GPU, micro-batches of 8,192 tokens (or the entry's
+    sequence length) and gradient checkpointing; sequence parallelism needs the model's attention heads to split
+    over a group, and no linear attention. A mixture of experts' header gives its total and active parameters."""
+    models = models or qwen2_5()
+    header = [name + (f" ({billions(c.total)}, {billions(c.active)} active)" if c.active < c.total else "")
+              for name, c in ((name, _parameter_counts(config)) for name, config in models.items())]
+    lines = ["| setup | " + " | ".join(header) + " |", "|---|" + "---|" * len(models)]
     for name, setup in SETUPS.items():
         cells = []
-        for h, inner, layers, heads, kv, vocab, tied in QWEN2_5_SHAPES.values():
-            config = Qwen2Config(hidden_size=h, intermediate_size=inner, num_hidden_layers=layers,
-                                 num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                                 tie_word_embeddings=tied)
+        for config in models.values():
             options = {"max_seq_len": 8192, **setup}
-            if heads % options.get("sequence_parallel_size", 1):
+            heads, split = config.get_text_config().num_attention_heads, options.get("sequence_parallel_size", 1)
+            if split > 1 and has_linear_attention(config):
+                cells.append("- (linear attention)")
+                continue
+            if heads % split:
                 cells.append(f"- ({heads} heads)")
                 continue
             need = gpus_needed(config, int(gpu_gib * GiB), kl=True, micro_batch_size=1,
@@ -394,10 +484,10 @@ def main() -> None:
     parser.add_argument("--offload-while-generating", action="store_true")
     parser.add_argument("--sequence-parallel-size", type=int, default=1, help="--actor.sequence-parallel-size")
     parser.add_argument("--hardware-table", action="store_true",
-                        help="print the README's table of GPUs per Qwen2.5 size")
+                        help="print the README's tables of GPUs per Qwen2.5 size and per current-generation model")
     args = parser.parse_args()
     if args.hardware_table:
-        print(hardware_table(args.gpu_gib))
+        print(hardware_table(args.gpu_gib) + "\n\n" + hardware_table(args.gpu_gib, current_generation()))
         return
     if not args.model:
         parser.error("give a model (or --hardware-table)")

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import Qwen2Config
+from transformers import Qwen2Config, Qwen3MoeConfig, Qwen3NextConfig
 
 import plumbing.memory as memory
 from plumbing.memory import (ACTIVATIONS, ACTOR_STATE, GRADIENTS, LOGITS, OVERHEAD, REFERENCE, REWARD_MODEL, STREAMED,
@@ -48,6 +48,65 @@ def test_tied_embeddings_are_counted_once():
     untied = Qwen2Config(**{**QWEN_1_5B.to_dict(), "tie_word_embeddings": False})
     assert count_parameters(QWEN_1_5B) == qwen2_parameters(QWEN_1_5B) == 1_543_714_304
     assert count_parameters(untied) - count_parameters(QWEN_1_5B) == 151936 * 1536
+
+
+# ---------------------------------------------------------------- the current generation: mixtures, hybrids
+
+QWEN3_30B_A3B = memory.current_generation()["Qwen3-30B-A3B"]
+
+
+def test_a_mixture_stores_all_its_experts_and_computes_with_k_of_them():
+    """Qwen3-30B-A3B by hand (its model card: 30.5B in total, 3.3B activated): a layer's attention (32 query heads
+    and 4 KV heads of 128, their norms), 128 experts of width 768 as two fused 3-D weights, the router, two norms;
+    8 experts per token."""
+    h, E, k, width, V = 2048, 128, 8, 768, 151936
+    attention = h * 32 * 128 * 2 + 2 * h * 4 * 128 + 2 * 128
+    experts = E * (2 * width * h + h * width)
+    layer = attention + experts + E * h + 2 * h
+    total = 2 * V * h + h + 48 * layer  # untied
+    counts = memory._parameter_counts(QWEN3_30B_A3B)
+    assert (counts.total, counts.layer, counts.root) == (total, layer, 2 * V * h + h)
+    assert total == 30_532_122_624
+    assert counts.active == total - 48 * experts * (E - k) // E == 3_353_032_704
+    assert counts.largest == E * 2 * width * h  # the experts' gate and up projections: the sync's largest tensor
+    # what a token's activations span (the config's dense width, unused when every layer is a mixture, set apart)
+    assert memory.mlp_width(Qwen3MoeConfig(**{**QWEN3_30B_A3B.to_dict(), "intermediate_size": 1})) == k * width
+    next_80b = memory.current_generation()["Qwen3-Next-80B-A3B"]
+    assert memory.mlp_width(Qwen3NextConfig(**{**next_80b.to_dict(), "intermediate_size": 1})) == 10 * 512 + 512
+
+
+def test_the_estimate_of_a_mixture_holds_every_expert_and_activations_of_the_routed_ones():
+    """The states and the engine's weights hold all 30.5B parameters; activations span the 8 routed experts of 768
+    (the config's unused dense width set apart); the one streamed tensor is the experts'."""
+    counts = memory._parameter_counts(QWEN3_30B_A3B)
+    P, h, L, I = counts.total, 2048, 48, 8 * 768
+    config = Qwen3MoeConfig(**{**QWEN3_30B_A3B.to_dict(), "intermediate_size": 1})
+    e = estimate_memory(config, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
+    assert e.rollout[ACTOR_STATE] == 12 * P // 8 and e.sync[VLLM_WEIGHTS] == 2 * P
+    assert e.sync[STREAMED] == 2 * counts.largest > 2 * h * 151936
+    assert e.training[ACTIVATIONS] == 4 * 2048 * L * (17 * h + 8 * I)
+    assert "30.5B parameters, 3.35B active per token" in e.table() and "3.35B active" in e.summary()
+    dense = estimate_memory(QWEN_7B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
+    assert "7.62B parameters)" in dense.summary()
+
+
+def test_the_hf_engine_caches_keys_and_values_of_full_attention_layers_only():
+    """Qwen3.5-9B: 32 layers, of which 8 are attention layers (4 KV heads of 256); the other 24 keep a fixed state."""
+    e = estimate_memory(memory.current_generation()["Qwen3.5-9B"], world_size=8, gpu_bytes=GPU_80GB,
+                        gradient_checkpointing=False, engine="hf", **RUN)
+    assert e.rollout["HF engine: KV cache"] == 4 * 2048 * 8 * 2 * 4 * 256 * 2
+
+
+def test_the_readme_shows_the_current_generations_table():
+    """The second table `--hardware-table` prints: the mixtures' headers give total and active parameters, and
+    sequence parallelism is refused for linear attention (Qwen3.5, Qwen3-Next: sequence_parallel.py)."""
+    table = hardware_table(80, memory.current_generation())
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert table.replace(" (TP 1)", "") in readme
+    rows = {line.split(" | ")[0]: line.split(" | ")[1:] for line in table.splitlines()}
+    assert "Qwen3-30B-A3B (30.5B, 3.35B active)" in table.splitlines()[0]
+    assert rows["| the same, sequence parallel 2"] == ["- (linear attention)"] * 3 + ["8 (TP 2)",
+                                                                                     "- (linear attention) |"]
 
 
 # ---------------------------------------------------------------- formulas
@@ -324,3 +383,21 @@ def test_the_long_response_preset_fits_eight_gpus_only_with_its_sequence_paralle
     cfg.actor.sequence_parallel_size = 1
     with pytest.raises(SystemExit, match=r"training phase does not fit(.|\n)*--actor.sequence-parallel-size 2"):
         check_run_memory(cfg, str(tmp_path), world_size=8, gpu_bytes=80 * 2**30)
+
+
+@pytest.mark.parametrize("preset, model, gpus, fewer", [("math_qwen3_5_4b", "Qwen3.5-4B", 4, 1),
+                                                        ("geo3k_qwen3_5_27b", "Qwen3.5-27B", 8, 4),
+                                                        ("dapo_qwen3_30b_a3b", "Qwen3-30B-A3B", 8, 4)])
+def test_the_current_generations_presets_fit_the_gpus_they_name(tmp_path, preset, model, gpus, fewer):
+    """Each preset with its model's public shape (memory.current_generation, saved as the checkpoint's config) on the
+    GPUs of 80 GiB its comment names: accepted; on fewer, refused."""
+    from grpo import parse_config
+    from plumbing.memory import check_run_memory
+
+    memory.current_generation()[model].save_pretrained(tmp_path)
+    cfg = parse_config([preset])
+    text = (Path(__file__).resolve().parent.parent / "configs" / f"{preset}.yaml").read_text()
+    assert f"torchrun --nproc_per_node {gpus} grpo.py {preset}\n" in text  # the launch its comment gives
+    check_run_memory(cfg, str(tmp_path), world_size=gpus, gpu_bytes=80 * 2**30)
+    with pytest.raises(SystemExit, match="does not fit"):
+        check_run_memory(cfg, str(tmp_path), world_size=fewer, gpu_bytes=80 * 2**30)
