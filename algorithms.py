@@ -78,6 +78,26 @@ class AlgorithmConfig:
     """Rollout correction: the truncations' cap C, and the masks' upper bound of the weight."""
     correction_low: float = 0.0
     """Rollout correction: the masks' lower bound of the weight (0: none)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: every token's loss less entropy_coef x the policy's entropy there (0: none;
+    the entropy is logged as actor/entropy either way)."""
+    entropy_method: str = "none"
+    """Which tokens the policy loss trains, by their entropy or the covariance of log-prob and
+    advantage: a name in ENTROPY_METHODS (none, clip_cov, kl_cov, high_entropy)."""
+    clip_cov_ratio: float = 2e-4
+    """Clip-Cov: the fraction of tokens whose gradient it stops..."""
+    clip_cov_low: float = 1.0
+    """...drawn at random among the tokens whose covariance is above this..."""
+    clip_cov_high: float = 5.0
+    """...and below this."""
+    kl_cov_ratio: float = 2e-4
+    """KL-Cov: the fraction of tokens, those of the largest covariance, penalised (the paper's
+    32B; its 7B: 2e-3)..."""
+    kl_cov_coef: float = 1.0
+    """...by kl_cov_coef x |log pi - log pi_old|."""
+    high_entropy_fraction: float = 0.2
+    """high_entropy: the fraction of tokens, those of the highest entropy, that the policy loss
+    trains."""
     old_logprobs: Literal["trainer", "engine"] = "trainer"
     """The ratio's old log-probs: the trainer's (a pass of their own when the update takes several
     optimizer steps, or with KL in the reward or a rollout correction), or the engine's (no pass:
@@ -91,9 +111,9 @@ class AlgorithmConfig:
 # to a prompt are consecutive rows (rows g*n ... g*n + n - 1 are group g). The step calls, in this
 # order: keep_group while it collects rollouts (dynamic sampling), then token_rewards -> an
 # ADVANTAGE_ESTIMATORS entry -> a ROLLOUT_CORRECTIONS entry (rollout_weights; none: not called) ->
-# for each micro-batch a POLICY_LOSSES entry (times the correction's weights), the KL loss
-# (kl_penalty), aggregate. Adding an algorithm = one registered function, one preset in configs/,
-# one test.
+# for each micro-batch a POLICY_LOSSES entry (times the correction's weights), an ENTROPY_METHODS
+# entry, the entropy bonus, the KL loss (kl_penalty), aggregate. Adding an algorithm = one
+# registered function, one preset in configs/, one test.
 # ==================================================================================================
 
 # name -> fn(AdvantageInputs, AlgorithmConfig) -> advantages [B, R]
@@ -102,6 +122,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 POLICY_LOSSES: dict[str, Callable] = {}
 # name -> fn(log_ratio, mask, AlgorithmConfig) -> weights [B, R]
 ROLLOUT_CORRECTIONS: dict[str, Callable] = {}
+# name -> fn(loss [b, R], LossInputs, AlgorithmConfig) -> (loss [b, R], stats)
+ENTROPY_METHODS: dict[str, Callable] = {}
 
 
 def register(registry: dict, name: str, **needs):
@@ -362,6 +384,8 @@ class LossInputs:
     mask: torch.Tensor
     # the rollout correction's weights (None: 1), never differentiated
     rollout_weights: torch.Tensor | None = None
+    # H: the policy's entropy at each token, with its gradient (logprobs.response_logprobs)
+    entropy: torch.Tensor | None = None
 
     @property
     def log_ratio(self) -> torch.Tensor:
@@ -436,6 +460,79 @@ def sapo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     ratio = torch.exp(x.log_ratio.clamp(-20, 20))
     tau = torch.where(x.advantages >= 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
     return -x.advantages * (4 / tau) * torch.sigmoid(tau * (ratio - 1)), {}
+
+
+# ---- entropy methods -----------------------------------------------------------------------------
+# Which tokens the policy loss trains. Each takes every token's policy loss (after the rollout
+# correction's weights) and returns it changed; the step then adds the entropy bonus and the KL
+# loss and aggregates over the same tokens as without it. The selections are made over this
+# rank's micro-batch, from this forward's values, as the papers' code makes them.
+
+def covariance(x: LossInputs) -> torch.Tensor:
+    """Each valid token's share of the covariance of log-prob and advantage over the micro-batch,
+    (A - mean A)(l - mean l), means over the valid tokens; 0 elsewhere; no gradient -> [b, R].
+    Example: A = [1, -1], l = [-1, -3] -> means 0 and -2 -> [1 x 1, -1 x -1] = [1, 1]."""
+    valid, count = x.mask.bool(), x.mask.sum().clamp(min=1)
+    with torch.no_grad():
+        a = x.advantages - (x.advantages * x.mask).sum() / count
+        log_p = x.logprobs - (x.logprobs * x.mask).sum() / count
+        return torch.where(valid, a * log_p, 0.0)
+
+
+def _largest(values: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
+    """1 on the `count` valid tokens of the largest values (all of them if fewer), else 0 ->
+    [b, R]."""
+    count = min(count, int(mask.sum()))
+    top = values.masked_fill(~mask.bool(), -math.inf).flatten().topk(count).indices
+    return torch.zeros_like(values).flatten().index_fill(0, top, 1.0).view_as(values)
+
+
+@register(ENTROPY_METHODS, "none")
+def all_tokens(loss, x: LossInputs, cfg: "AlgorithmConfig"):
+    return loss, {}
+
+
+@register(ENTROPY_METHODS, "clip_cov")
+def clip_cov(loss, x: LossInputs, cfg: "AlgorithmConfig"):
+    """Clip-Cov (Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs): the tokens whose
+    covariance lies in (clip_cov_low, clip_cov_high) drive the entropy's collapse; it stops the
+    gradient of max(1, clip_cov_ratio x valid tokens) of them, drawn at random (their loss is 0).
+    Example: covariances [0.5, 2, 3, 7] with bounds (1, 5) and a ratio that makes 1: one of the
+    2nd and 3rd tokens loses its gradient. The reference also spares tokens PPO's clip already
+    took; here a clipped token may be drawn (its gradient was 0 anyway)."""
+    cov = covariance(x)
+    candidates = ((cov > cfg.clip_cov_low) & (cov < cfg.clip_cov_high) & x.mask.bool()).flatten()
+    index = candidates.nonzero().squeeze(-1)
+    count = max(1, int(cfg.clip_cov_ratio * x.mask.sum()))
+    drawn = index[torch.randperm(len(index), device=index.device)[:count]]
+    stopped = torch.zeros_like(loss).flatten().index_fill(0, drawn, 1.0).view_as(loss)
+    return loss * (1 - stopped), {"actor/entropy_method_tokens": stopped}
+
+
+@register(ENTROPY_METHODS, "kl_cov")
+def kl_cov(loss, x: LossInputs, cfg: "AlgorithmConfig"):
+    """KL-Cov (Cui et al. 2025): L + kl_cov_coef x |l - l_old| on the max(1, kl_cov_ratio x valid
+    tokens) tokens of the largest covariance, a pull towards the old policy where the entropy
+    falls fastest. Example: covariances [3, 1], ratio 0.5, coef 1, l - l_old = [0.2, -0.1] -> the
+    first token's loss + 0.2. The paper uses it without PPO's clip (preset kl_cov: clip bounds of
+    inf)."""
+    chosen = _largest(covariance(x), x.mask, max(1, int(cfg.kl_cov_ratio * x.mask.sum())))
+    penalty = cfg.kl_cov_coef * (x.logprobs - x.old_logprobs).abs()
+    return loss + chosen * penalty, {"actor/entropy_method_tokens": chosen}
+
+
+@register(ENTROPY_METHODS, "high_entropy")
+def high_entropy(loss, x: LossInputs, cfg: "AlgorithmConfig"):
+    """The forking tokens (Wang et al. 2025, Beyond the 80/20 Rule): the policy loss of only the
+    ceil(high_entropy_fraction x valid tokens) tokens of the highest entropy (20%), the others' 0;
+    the chosen ones' scaled by valid / chosen, so that the mean over every token is the mean over
+    the chosen ones, as the reference's denominator counts them alone. The entropy bonus and the
+    KL loss keep every token. Example: entropies [0.1, 2.0, 0.5, 1.2, 0.05] at 0.2 -> the 2nd
+    token alone trains, its loss x 5."""
+    count = max(1, math.ceil(cfg.high_entropy_fraction * x.mask.sum().item()))
+    chosen = _largest(x.entropy.detach(), x.mask, count)
+    scale = x.mask.sum() / chosen.sum().clamp(min=1)
+    return loss * chosen * scale, {"actor/entropy_method_tokens": chosen}
 
 
 # ---- rollout correction --------------------------------------------------------------------------

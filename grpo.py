@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from algorithms import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, AdvantageInputs,
+from algorithms import (ADVANTAGE_ESTIMATORS, ENTROPY_METHODS, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
+                        AdvantageInputs,
                         AlgorithmConfig, LossInputs, RewardKL, aggregate, keep_group, kl_penalty,
                         rollout_weights, token_rewards)
 from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
@@ -317,17 +318,21 @@ def backward_mini_batch(model, batch: Batch, cfg: Config,
     for rows in micro_batches(batch, cfg.actor.micro_batch_size,
                               cfg.actor.max_tokens_per_micro_batch):
         micro = batch.select(rows)
-        logprobs = response_logprobs(model, micro, cfg.rollout.temperature,  # [b, R]
-                                     cfg.actor.padding_free, sp, cfg.rollout.top_k,
-                                     cfg.rollout.top_p)
+        logprobs, entropy = response_logprobs(model, micro, cfg.rollout.temperature,  # [b, R]
+                                              cfg.actor.padding_free, sp, cfg.rollout.top_k,
+                                              cfg.rollout.top_p, entropy=True)
         own[torch.tensor(rows, device=mask.device)] = logprobs.detach()
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
-                            mask=micro.loss_mask, rollout_weights=micro.rollout_weights)
+                            mask=micro.loss_mask, rollout_weights=micro.rollout_weights,
+                            entropy=entropy)
         loss, stats = POLICY_LOSSES[algo.loss_type](inputs, algo)
         if inputs.rollout_weights is not None:
             loss = loss * inputs.rollout_weights
-        stats["actor/pg_loss"] = loss.detach()
+        loss, chosen = ENTROPY_METHODS[algo.entropy_method](loss, inputs, algo)
+        stats.update(chosen, **{"actor/pg_loss": loss.detach(), "actor/entropy": entropy.detach()})
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * entropy
         if algo.use_kl_loss:
             kl = kl_penalty(logprobs, micro.ref_logprobs, algo.kl_penalty)
             loss = loss + algo.kl_coef * kl
@@ -390,7 +395,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     """Fail before anything is loaded, naming the flag to change (plumbing/cli.py, with
     algorithms.py's registries)."""
     check_flags(cfg, world_size, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
-                AdvantageInputs)
+                ENTROPY_METHODS, AdvantageInputs)
 
 
 @dataclass

@@ -360,32 +360,39 @@ def sampled_support(logits: torch.Tensor, targets: torch.Tensor, top_k: int,
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                     temperature: float, placeholders: list[int], top_k: int = -1,
-                    top_p: float = 1.0) -> torch.Tensor:
+                    top_p: float = 1.0, entropy: bool = False) -> torch.Tensor:
     """log softmax(head(hidden) / temperature)[target] for one chunk: [c, H] -> [c], through fp32
     logits; with top-k / top-p, the softmax over the tokens sampling kept (sampled_support), as the
-    engines' log-probs are."""
+    engines' log-probs are. `entropy`: [c, 2], the log-prob and the entropy of that distribution,
+    H = -sum_v p_v log p_v over the tokens it keeps (p = [0.5, 0.5, 0]: log 2)."""
     logits = head(hidden).float() / temperature  # [c, V]
     if placeholders:
         logits[:, placeholders] += PLACEHOLDER_BIAS / temperature
     if top_k > 0 or top_p < 1:
         logits = sampled_support(logits, targets, top_k, top_p)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [c]
+    if not entropy:
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [c]
+    logp = logits - logits.logsumexp(-1, keepdim=True)  # [c, V], -inf off the support
+    entropies = -(logp.exp() * logp.where(logp.isfinite(), 0)).sum(-1)  # [c]
+    return torch.stack([logp.gather(-1, targets[:, None]).squeeze(-1), entropies], -1)  # [c, 2]
 
 
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                   temperature: float, placeholders: list[int], chunk: int = CHUNK_TOKENS,
-                  top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+                  top_k: int = -1, top_p: float = 1.0, entropy: bool = False) -> torch.Tensor:
     """Log-probs of `targets` [N] from the hidden states that predict them [N, H], `chunk` tokens at
     a time; with gradients, each chunk's logits are recomputed in the backward pass instead of
-    kept."""
+    kept. `entropy`: [N, 2], each token's log-prob and the policy's entropy there
+    (_chunk_logprobs), in the same pass."""
     pieces = []
     for h, y in zip(hidden.split(chunk), targets.split(chunk)):
         if torch.is_grad_enabled():
             pieces.append(checkpoint(_chunk_logprobs, head, h, y, temperature, placeholders,
-                                     top_k, top_p, use_reentrant=False))
+                                     top_k, top_p, entropy, use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(head, h, y, temperature, placeholders, top_k, top_p))
-    return torch.cat(pieces) if pieces else hidden.new_zeros(0)
+            pieces.append(_chunk_logprobs(head, h, y, temperature, placeholders, top_k, top_p,
+                                          entropy))
+    return torch.cat(pieces) if pieces else hidden.new_zeros((0, 2) if entropy else (0,))
 
 
 def decoder_states(model, inputs: dict, **kwargs) -> torch.Tensor:
@@ -421,10 +428,12 @@ def _over_micro_batches(model, batch: Batch, micro_batch_size: int, max_tokens: 
 
 def response_logprobs(model, batch: Batch, temperature: float, padding_free: bool = True,
                       sp: SequenceParallel = NO_SP, top_k: int = -1,
-                      top_p: float = 1.0) -> torch.Tensor:
+                      top_p: float = 1.0, entropy: bool = False):
     """log pi(response token | everything before it), logits divided by the sampling temperature
     -> [b, R], 0 on padding; with top-k / top-p, of the distribution sampling kept
-    (sampled_support), as the engines' are.
+    (sampled_support), as the engines' are. `entropy`: (log-probs, entropies), the second the
+    entropy of the policy's distribution at each response token [b, R], from the same chunks of
+    the head (no [tokens, vocabulary] tensor kept), with its gradient.
 
     A vision-language model's image placeholder tokens get the engines' logit bias (vision.py). With
     sequence parallelism every rank of the group computes the log-probs of the tokens its slice
@@ -437,10 +446,20 @@ def response_logprobs(model, batch: Batch, temperature: float, padding_free: boo
             model, inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=index.device))
     hidden = states.flatten(0, 1)[index]  # [N, H]: the positions that predict the response tokens
     b, R = batch.responses.shape
-    values = head_logprobs(model.get_output_embeddings(), hidden,  # [N]
+    values = head_logprobs(model.get_output_embeddings(), hidden,  # [N] or [N, 2]
                            batch.responses.flatten()[slots], temperature,
-                           placeholder_token_ids(model.config), top_k=top_k, top_p=top_p)
-    out = values.new_zeros(b * R).index_copy(0, slots, values)  # [b * R], 0 on padding
+                           placeholder_token_ids(model.config), top_k=top_k, top_p=top_p,
+                           entropy=entropy)
+    if entropy:
+        return tuple(_spread(column, slots, b, R, sp) for column in values.unbind(-1))
+    return _spread(values, slots, b, R, sp)
+
+
+def _spread(values: torch.Tensor, slots: torch.Tensor, b: int, R: int,
+            sp: SequenceParallel) -> torch.Tensor:
+    """Values of the response tokens [N] at their slots of the [b, R] grid, 0 on padding (with
+    sequence parallelism, the group's pieces gathered)."""
+    out = values.new_zeros(b * R).index_copy(0, slots, values)  # [b * R]
     return sp.gather(out).view(b, R)
 
 

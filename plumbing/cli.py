@@ -88,9 +88,11 @@ def checked(value, hint, where: str):
     return value
 
 
-def check_flags(cfg, world_size: int, estimators: dict, losses: dict, corrections: dict, advantage_inputs) -> None:
-    """Fail before anything is loaded, naming the flag to change. `cfg`: grpo.Config; `estimators`, `losses` and
-    `corrections`: its registries; `advantage_inputs`: grpo.AdvantageInputs, for a dry run of the estimator."""
+def check_flags(cfg, world_size: int, estimators: dict, losses: dict, corrections: dict, entropy_methods: dict,
+                advantage_inputs) -> None:
+    """Fail before anything is loaded, naming the flag to change. `cfg`: grpo.Config; `estimators`, `losses`,
+    `corrections` and `entropy_methods`: its registries; `advantage_inputs`: grpo.AdvantageInputs, for a dry run of
+    the estimator."""
     t, n, r, a = cfg.trainer, cfg.rollout.n, cfg.rollout, cfg.actor
     bounds = {"trainer.total-steps": (t.total_steps, 1), "trainer.rollout-batch-size": (t.rollout_batch_size, 1),
               "trainer.global-batch-size": (t.global_batch_size, 1), "trainer.ppo-epochs": (t.ppo_epochs, 1),
@@ -161,6 +163,17 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, correction
     if algo.rollout_correction not in corrections:
         problems.append(f"--algorithm.rollout-correction {algo.rollout_correction!r}"
                         f"{did_you_mean(algo.rollout_correction, corrections)}: choose one of {sorted(corrections)}")
+    if algo.entropy_method not in entropy_methods:
+        problems.append(f"--algorithm.entropy-method {algo.entropy_method!r}"
+                        f"{did_you_mean(algo.entropy_method, entropy_methods)}: "
+                        f"choose one of {sorted(entropy_methods)}")
+    elif algo.entropy_method == "clip_cov" and cfg.actor.sequence_parallel_size > 1:
+        problems.append("--algorithm.entropy-method clip_cov with --actor.sequence-parallel-size: the ranks of a group "
+                        "would draw different tokens for one loss; use kl_cov or no sequence parallelism")
+    fractions = {"clip-cov-ratio": algo.clip_cov_ratio, "kl-cov-ratio": algo.kl_cov_ratio,
+                 "high-entropy-fraction": algo.high_entropy_fraction}
+    problems += [f"--algorithm.{flag} {value} must be in (0, 1]" for flag, value in fractions.items()
+                 if not 0 < value <= 1]
     if not 0 <= algo.correction_low < algo.correction_high:
         problems.append(f"--algorithm.correction-low {algo.correction_low} and --algorithm.correction-high "
                         f"{algo.correction_high}: the weight's bounds need 0 <= low < high")

@@ -36,9 +36,10 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
     activations: T x L x (17h + 8I) bytes; with gradient checkpointing T x (2hL + 17h + 8I) (every layer's
       input, plus one layer's activations while it is recomputed); with sequence parallelism over N ranks each
       holds T/N of every micro-batch's tokens, so its activations are 1/N of these
-    logits for the log-probs: one chunk of c = min(T/N, CHUNK_TOKENS) tokens, c x V x 16 bytes (bf16
-      logits, their fp32 copy, the log-softmax's fp32 intermediate, the fp32 and bf16 gradients): the output head
-      runs a chunk at a time, never on all T tokens
+    logits for the log-probs: one chunk of c = min(T/N, CHUNK_TOKENS) tokens, c x V x 24 bytes (bf16
+      logits, their fp32 copy, the log-softmax's fp32 intermediate, the entropy's fp32 probabilities and their
+      product with the log-probabilities, the fp32 and bf16 gradients): the output head runs a chunk at a time,
+      never on all T tokens
     vLLM's CUDA graphs (1 GiB), overhead: 2 GiB
 - an evaluation (--trainer.val-only) has no training phase, no reference and no AdamW states: the actor is its
   params, pP/W (LoRA: 2P/W), in the rollout and sync phases
@@ -273,7 +274,7 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                 "gathered bf16 units: root + 2 layers": 2 * (root + 2 * layer),
                 GRADIENTS: 0 if lora else 2 * (root + 2 * layer) + 4 * max(root, layer),
                 ACTIVATIONS + (" (checkpointed)" if gradient_checkpointing else ""): activations,
-                LOGITS: min(held, CHUNK_TOKENS) * V * 16, **graphs, OVERHEAD: 2 * GiB} if not evaluation else {}
+                LOGITS: min(held, CHUNK_TOKENS) * V * 24, **graphs, OVERHEAD: 2 * GiB} if not evaluation else {}
     return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs, P, counts.active)
 
 

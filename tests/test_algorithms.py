@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import torchrun
-from algorithms import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AlgorithmConfig, LossInputs, POLICY_LOSSES, aggregate,
-                        cispo_loss, discounted_returns, dr_grpo_advantages, grpo_advantages, grpo_passk_advantages,
-                        gspo_loss, gspo_token_loss, keep_group, kl_penalty, ppo_clip_loss, reinforce_pp_advantages,
-                        remax_advantages, rloo_advantages, sapo_loss, token_rewards)
+from algorithms import (ADVANTAGE_ESTIMATORS, ENTROPY_METHODS, AdvantageInputs, AlgorithmConfig, LossInputs,
+                        POLICY_LOSSES, aggregate, cispo_loss, discounted_returns, dr_grpo_advantages, grpo_advantages,
+                        grpo_passk_advantages, gspo_loss, gspo_token_loss, keep_group, kl_penalty, ppo_clip_loss,
+                        reinforce_pp_advantages, remax_advantages, rloo_advantages, sapo_loss, token_rewards)
 from logprobs import batched_logprobs, make_batch
 
 
@@ -298,6 +298,7 @@ def test_every_registered_algorithm_has_a_preset_and_unknown_names_are_refused()
     presets = [yaml.safe_load(p.read_text()).get("algorithm", {}) for p in (ROOT / "configs").glob("*.yaml")]
     assert set(ADVANTAGE_ESTIMATORS) <= {p.get("adv_estimator", "grpo") for p in presets}
     assert set(POLICY_LOSSES) <= {p.get("loss_type", "ppo_clip") for p in presets}
+    assert set(ENTROPY_METHODS) <= {p.get("entropy_method", "none") for p in presets}
     cfg = Config()
     cfg.algorithm.adv_estimator, cfg.algorithm.loss_type = "nope", "nada"
     with pytest.raises(SystemExit, match=r"adv-estimator 'nope': choose one of \['dr_grpo', 'grpo'") as error:
