@@ -21,6 +21,17 @@ import torch.nn.functional as F
 
 
 @dataclass
+class DistillConfig:
+    teacher: str = ""
+    """On-policy distillation: the teacher model (a folder, hub id or tiny:NAME) with the student's
+    tokenizer, frozen and sharded as the reference is; with --algorithm.adv-estimator distill."""
+    reward_weight: float = 0.0
+    """The weight of GRPO's outcome advantage beside the teacher's per-token one (0: the teacher
+    alone)."""
+
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator: a name in ADVANTAGE_ESTIMATORS (listed at the top of --help; presets
@@ -223,6 +234,10 @@ class AdvantageInputs:
     baselines: torch.Tensor | None = None  # [G], the score of each prompt's greedy response (ReMax)
     # all-reduces a tensor of sums (REINFORCE++'s global whitening)
     sum_over_ranks: Callable = lambda x: x
+    # on-policy distillation (--distill.teacher): log pi_teacher - log pi_old of each sampled token
+    teacher_gap: torch.Tensor | None = None  # [B, R]
+    # ...and the weight of the outcome reward beside it (--distill.reward-weight)
+    reward_weight: float = 0.0
 
     @property
     def scores(self) -> torch.Tensor:
@@ -296,6 +311,23 @@ def remax_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor
     [B, T] mask, which fails, or silently mis-broadcasts when B equals T.
     """
     return x.per_token(x.scores - x.baselines[:, None])
+
+
+@register(ADVANTAGE_ESTIMATORS, "distill", teacher=True)
+def distill_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tensor:
+    """On-policy distillation (Agarwal et al. 2024, GKD; the Qwen3 report; Thinking Machines 2025):
+    the student samples, a teacher scores every token, and each token's advantage is the negative
+    of the per-token reverse KL's sample, A_t = log pi_teacher(y_t) - log pi_old(y_t): no discount,
+    no baseline, a dense signal where the outcome reward gives one number per response. With
+    reward_weight w (--distill.reward-weight), w x GRPO's outcome advantage is added to it.
+
+    Example: a token the teacher finds likelier than the student does (log-probs -0.5 against -2.0)
+    gets +1.5, one it finds less likely (-3.0 against -1.0) gets -2.0; with w = 0.5 and a group
+    [1, 0] both tokens of the first response get 0.5 x 0.707 more. A teacher equal to the student:
+    0 everywhere.
+    """
+    advantages = x.teacher_gap * x.mask
+    return advantages + x.reward_weight * grpo_advantages(x, cfg) if x.reward_weight else advantages
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float,

@@ -287,6 +287,22 @@ def load_reward_model(path: str, device: torch.device, tokenizer,
                               cpu_offload=cpu_offload)
 
 
+def load_teacher(path: str, device: torch.device, tokenizer,
+                 cpu_offload: bool = False) -> torch.nn.Module:
+    """On-policy distillation's teacher (--distill.teacher): a frozen model sharded as the
+    reference is (bf16 on GPU), which scores the student's own token ids: its tokenizer must be the
+    student's (another size of the same family)."""
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
+        raise SystemExit(f"--distill.teacher {path}: its tokenizer is not the student's, and the "
+                         "teacher scores the student's token ids; pick a teacher of the student's "
+                         "family (the same tokenizer)")
+    return load_sharded_model(path, device, trainable=False,
+                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                              cpu_offload=cpu_offload)
+
+
 def move_training_state(device: torch.device | str, models: list,
                         optimizer: torch.optim.Optimizer | None) -> None:
     """Move sharded models and an optimizer's states (AdamW's moments; its step counts stay on the

@@ -45,14 +45,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from algorithms import (ADVANTAGE_ESTIMATORS, ENTROPY_METHODS, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
-                        AdvantageInputs,
-                        AlgorithmConfig, LossInputs, RewardKL, aggregate, keep_group, kl_penalty,
-                        rollout_weights, token_rewards)
+                        AdvantageInputs, AlgorithmConfig, DistillConfig, LossInputs, RewardKL,
+                        aggregate, keep_group, kl_penalty, rollout_weights, token_rewards)
 from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
 from env import EpisodeRollout, check_environment, environment_class, episode_metrics, episodes_of
 from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source,
                         check_output_folder, init_distributed, load_actor_and_reference,
-                        load_reward_model, save_hf_model)
+                        load_reward_model, load_teacher, save_hf_model)
 from logprobs import (Batch, batch_of, batched_logprobs, micro_batches, response_logprobs,
                       reward_model_scores)
 from lora import LoRAConfig, adapters_off
@@ -193,6 +192,7 @@ class Config:
     tools: ToolConfig = field(default_factory=ToolConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -270,11 +270,12 @@ def episode_numbers(groups: list[Group], device: torch.device) -> dict:
 
 
 def advantages(batch: Batch, groups: list[Group], kl: RewardKL, cfg: Config,
-               sp: SequenceParallel) -> dict:
+               sp: SequenceParallel, teacher_logprobs: torch.Tensor | None = None) -> dict:
     """The step's algorithm on its scored groups, into the batch: token rewards (the KL in them, its
-    coefficient adapted in `kl`), the estimator's advantages, and the rollout correction's weights;
-    returns their metrics. With sequence parallelism a group's N ranks hold the same rows, so a sum
-    over ranks counts each once (sum_once)."""
+    coefficient adapted in `kl`), the estimator's advantages (on-policy distillation's from
+    `teacher_logprobs` [B, R]), and the rollout correction's weights; returns their metrics. With
+    sequence parallelism a group's N ranks hold the same rows, so a sum over ranks counts each once
+    (sum_once)."""
     algo, device, metrics = cfg.algorithm, batch.response_mask.device, {}
     sum_once = sum_over_ranks if sp.size == 1 else lambda x: sum_over_ranks(x) / sp.size
     scores = torch.tensor([s["overall"] for g in groups for s in g.scores], device=device)  # [B]
@@ -284,8 +285,14 @@ def advantages(batch: Batch, groups: list[Group], kl: RewardKL, cfg: Config,
                                      batch.ref_logprobs, algo, kl.coef, sum_once)
     baselines = (torch.tensor([g.baseline for g in groups], device=device)  # [G]
                  if groups[0].baseline is not None else None)
+    gap = None if teacher_logprobs is None else teacher_logprobs - batch.old_logprobs  # [B, R]
+    if gap is not None:  # the student's reverse KL to the teacher, per token (its k1 estimate)
+        mask = batch.response_mask
+        sums = sum_once(torch.stack([(-gap * mask).sum(), mask.sum()]))
+        metrics["distill/reverse_kl"] = sums[0] / sums[1]
     batch.advantages = ADVANTAGE_ESTIMATORS[algo.adv_estimator](  # [B, R]
-        AdvantageInputs(rewards, batch.response_mask, cfg.rollout.n, baselines, sum_once), algo)
+        AdvantageInputs(rewards, batch.response_mask, cfg.rollout.n, baselines, sum_once, gap,
+                        cfg.distill.reward_weight), algo)
     # the engine sampled, the trainer learns: a weight per token
     if algo.rollout_correction != "none":
         batch.rollout_weights = rollout_weights(batch.old_logprobs, batch.rollout_logprobs,
@@ -416,6 +423,7 @@ class Run:
     first_step: int
     model_path: str
     reward_model_path: str  # "" without a reward model
+    teacher_path: str  # "" without a teacher
 
 
 def open_run(cfg: Config) -> Run | None:
@@ -433,6 +441,7 @@ def open_run(cfg: Config) -> Run | None:
         check_output_folder(folder / "final", overwrite=True, what="the run's final model folder")
     model_path = resolve_model(cfg.actor.model_path, cfg.trainer.output_dir)
     reward_model_path = resolve_model(cfg.reward.model, cfg.trainer.output_dir)  # "" without one
+    teacher_path = resolve_model(cfg.distill.teacher, cfg.trainer.output_dir)  # "" without one
     rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes,
                                            cfg.actor.fsdp_cpu_offload)
     dist.barrier()  # every node's tiny model is written
@@ -440,6 +449,8 @@ def open_run(cfg: Config) -> Run | None:
                        cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     if reward_model_path:  # as the actor's: one line, not transformers' traceback
         check_model_exists(reward_model_path, f"--reward.model {cfg.reward.model}")
+    if teacher_path:
+        check_model_exists(teacher_path, f"--distill.teacher {cfg.distill.teacher}")
     sp = SequenceParallel.build(cfg.actor.sequence_parallel_size, model_path)
     torch.manual_seed(cfg.trainer.seed)
     console = Console(quiet=rank != 0, soft_wrap=True)
@@ -464,7 +475,7 @@ def open_run(cfg: Config) -> Run | None:
         prepare_run_folder(folder, dataclasses.asdict(cfg), start, say=console.print)
     INTERRUPT_NOTES.append(lambda: stop_note(folder))  # a Ctrl-C says where the run stands
     return Run(folder, rank, world, device, sp, console, job, start, first_step, model_path,
-               reward_model_path)
+               reward_model_path, teacher_path)
 
 
 def evaluate(cfg: Config, run: Run, rollout, val_set, val_items: list, scoring: Scoring) -> None:
@@ -517,8 +528,11 @@ def main(cfg: Config) -> None:
     elif start is not None:  # everything a step depends on, as it was after the checkpoint's step
         kl.load_state_dict(resume(start, actor, optimizer, scheduler, loader, console.print))
     scoring, reward_model = scoring_of(cfg, run, tokenizer, processor)  # the function, the model
-    training_state = TrainingState([m for m in (actor, ref, reward_model) if m is not None],
-                                   optimizer, device, offload=cfg.actor.offload_while_generating)
+    teacher = (load_teacher(run.teacher_path, device, tokenizer, cfg.actor.fsdp_cpu_offload)
+               if run.teacher_path and not cfg.trainer.val_only else None)  # on-policy distillation
+    frozen = [m for m in (ref, reward_model, teacher) if m is not None]
+    training_state = TrainingState([actor, *frozen], optimizer, device,
+                                   offload=cfg.actor.offload_while_generating)
     rollout = start_engine(cfg.rollout, run.model_path,
                            cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                            actor, training_state, run.first_step - 1 if start is not None else None)
@@ -562,12 +576,16 @@ def main(cfg: Config) -> None:
                 with timer("ref_logprob"), adapters_off(actor) if ref is None else nullcontext():
                     batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch,
                                                           **passes)
+            if teacher is not None:
+                with timer("teacher_logprob"):
+                    teacher_logprobs = batched_logprobs(teacher, batch, **passes)
 
             # ---- token rewards, advantages -------------------------------------------------------
             # what an async reward has left (it ran beside the passes above), the model's pass
             with timer("reward"):
                 scores.give(groups, batch)
-            metrics.update(advantages(batch, groups, kl, cfg, sp))
+            metrics.update(advantages(batch, groups, kl, cfg, sp,
+                                      teacher_logprobs if teacher is not None else None))
 
             # ---- update --------------------------------------------------------------------------
             if cfg.actor.balance_ranks and run.world > sp.size:  # over the data-parallel ranks
@@ -645,12 +663,13 @@ def scoring_of(cfg: Config, run: Run, tokenizer, processor) -> tuple[Scoring, An
 
 def on_policy_update(cfg: Config) -> bool:
     """One optimizer step per rollout batch, nothing computed from the old log-probs before it (no
-    KL in the reward, no rollout correction): the old log-probs are the update's own forward's, no
-    pass of their own (TRL's way)."""
+    KL in the reward, no rollout correction, no teacher): the old log-probs are the update's own
+    forward's, no pass of their own (TRL's way)."""
     algo = cfg.algorithm
     return (cfg.trainer.ppo_epochs == 1
             and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
-            and not algo.use_kl_in_reward and algo.rollout_correction == "none")
+            and not algo.use_kl_in_reward and algo.rollout_correction == "none"
+            and not cfg.distill.teacher)
 
 
 def pass_settings(cfg: Config, sp: SequenceParallel) -> dict:

@@ -151,10 +151,17 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, correction
     if algo.adv_estimator not in estimators:
         problems.append(f"--algorithm.adv-estimator {algo.adv_estimator!r}"
                         f"{did_you_mean(algo.adv_estimator, estimators)}: choose one of {sorted(estimators)}")
+    elif getattr(estimators[algo.adv_estimator], "teacher", False) != bool(cfg.distill.teacher):
+        problems.append(f"--algorithm.adv-estimator {algo.adv_estimator} needs --distill.teacher"
+                        if cfg.distill.teacher == "" else
+                        f"--distill.teacher {cfg.distill.teacher}: only --algorithm.adv-estimator distill "
+                        f"uses a teacher (not {algo.adv_estimator}); with an outcome reward beside it: "
+                        "--distill.reward-weight")
     else:  # a dry run on one group of n zero rewards finds what an estimator needs of n
         zeros = torch.zeros(n, 1)
         try:
-            estimators[algo.adv_estimator](advantage_inputs(zeros, zeros + 1, n, torch.zeros(1)), algo)
+            estimators[algo.adv_estimator](advantage_inputs(zeros, zeros + 1, n, torch.zeros(1), teacher_gap=zeros,
+                                                            reward_weight=cfg.distill.reward_weight), algo)
         except ValueError as error:
             problems.append(f"--rollout.n {n}: {algo.adv_estimator} compares responses within a group ({error})")
     if algo.loss_type not in losses:

@@ -11,8 +11,9 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
 - rollout (the engine generates, the trainer waits):
     actor: params + AdamW's m and v, sharded: (p + m)P/W, fp32: 12P/W (no gradients: zero_grad(set_to_none=True))
     reference (only with KL): bf16 params, sharded: 2P/W; the reward model (--reward.model, R parameters) likewise:
-      2R/W, resident as the reference is in every phase (it scores beside the engine's whole budget)
-    (both 0 with --actor.offload-while-generating or --actor.fsdp-cpu-offload: they wait in host memory;
+      2R/W, resident as the reference is in every phase (it scores beside the engine's whole budget); so is a
+      distillation teacher (--distill.teacher)
+    (all 0 with --actor.offload-while-generating or --actor.fsdp-cpu-offload: they wait in host memory;
     LoRA: 2P/W, the frozen bf16 base, in every phase, and no reference: the base with its adapters off is one)
     vLLM: its whole budget, gpu_memory_utilization x GPU memory, on top of what the process holds (vLLM
       measures from its own start); inside it: weights 2P/tp, its profiling run's peak, CUDA graphs, KV cache;
@@ -83,6 +84,7 @@ CHUNK_TOKENS = 1024  # response tokens per output-head chunk (logprobs.py): 1024
 OVERHEAD = "CUDA context, NCCL, fragmentation"
 REFERENCE = "reference: bf16 params"
 REWARD_MODEL = "reward model: bf16 params"
+TEACHER = "distillation teacher: bf16 params"
 VLLM = "vLLM: weights + KV cache budget"
 VLLM_WEIGHTS = "vLLM: bf16 weights (reloading)"
 VLLM_GRAPHS = "vLLM: CUDA graphs (kept while asleep)"
@@ -220,13 +222,15 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                     tensor_parallel_size: int = 1, max_tokens_per_micro_batch: int = 0, param_bytes: int = 4,
                     moment_bytes: int = 8, cpu_offload: bool = False, offload_while_generating: bool = False,
                     lora: bool = False, enforce_eager: bool = False, sequence_parallel_size: int = 1,
-                    evaluation: bool = False, reward_model_params: int = 0) -> MemoryEstimate:
+                    evaluation: bool = False, reward_model_params: int = 0,
+                    teacher_params: int = 0) -> MemoryEstimate:
     """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
 
     Example: P = 1e9 on W = 4 GPUs with KL, fp32 AdamW -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
     training actor 4e9 (16P/W); V = 151936 -> logits of one 1024-token chunk 1.6e9 bytes. Sequence parallelism
     over N = 4: the activations of a micro-batch of T tokens are those of T/4 (each rank holds a quarter of the row).
-    `evaluation`: --trainer.val-only (no training phase, the actor its params only); `reward_model_params`: R.
+    `evaluation`: --trainer.val-only (no training phase, the actor its params only); `reward_model_params`: R;
+    `teacher_params`: the distillation teacher's, held as the reward model is.
     """
     counts = _parameter_counts(model_config)
     P, root, layer = counts.total, counts.root, counts.layer
@@ -238,6 +242,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     frozen = {REFERENCE: 2 * P // W} if kl and not lora and not evaluation else {}  # LoRA: the base is the reference
     if reward_model_params:
         frozen[REWARD_MODEL] = 2 * reward_model_params // W
+    if teacher_params and not evaluation:
+        frozen[TEACHER] = 2 * teacher_params // W
     state_bytes, training_bytes = param_bytes + moment_bytes, 2 * param_bytes + moment_bytes  # per parameter
     if lora:  # the frozen base in bf16, no gradients or moments for it (the adapters' few are left out)
         state_bytes = training_bytes = 2
@@ -346,11 +352,13 @@ def check_memory(model_config, **options) -> MemoryEstimate:
 def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> MemoryEstimate:
     """check_memory with a grpo.py run's settings (`cfg` is its Config), called at start-up on GPU."""
     reward_model = resolve_model(cfg.reward.model, cfg.trainer.output_dir)  # built already, by grpo.main
+    teacher = resolve_model(cfg.distill.teacher, cfg.trainer.output_dir)
     return check_memory(AutoConfig.from_pretrained(model_path), world_size=world_size, gpu_bytes=gpu_bytes,
                         kl=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
                         evaluation=cfg.trainer.val_only,
                         reward_model_params=count_parameters(AutoConfig.from_pretrained(reward_model))
                         if reward_model else 0,
+                        teacher_params=count_parameters(AutoConfig.from_pretrained(teacher)) if teacher else 0,
                         # a micro-batch holds at most a rank's share of the rollout batch, whatever the flag says
                         micro_batch_size=min(cfg.actor.micro_batch_size, cfg.trainer.rollout_batch_size *
                                              cfg.rollout.n * cfg.actor.sequence_parallel_size // world_size),

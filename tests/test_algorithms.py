@@ -301,7 +301,7 @@ def test_every_registered_algorithm_has_a_preset_and_unknown_names_are_refused()
     assert set(ENTROPY_METHODS) <= {p.get("entropy_method", "none") for p in presets}
     cfg = Config()
     cfg.algorithm.adv_estimator, cfg.algorithm.loss_type = "nope", "nada"
-    with pytest.raises(SystemExit, match=r"adv-estimator 'nope': choose one of \['dr_grpo', 'grpo'") as error:
+    with pytest.raises(SystemExit, match=r"adv-estimator 'nope': choose one of \['distill', 'dr_grpo'") as error:
         check_config(cfg, world_size=1)
     assert "--algorithm.loss-type 'nada'" in str(error.value)
 
@@ -382,3 +382,42 @@ def test_non_finite_gradient_skips_the_optimizer_step(tmp_path):
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     finally:
         dist.destroy_process_group()
+
+
+def test_distillation_advantages_by_hand():
+    """The docstring's example: teacher log-probs [-0.5, -3.0] against the student's [-2.0, -1.0] -> [1.5, -2.0] (a
+    hole stays 0); reward weight 0.5 and a group [1, 0]: GRPO's 0.707 / -0.707, halved, added to each response's
+    tokens; a teacher equal to the student: 0."""
+    from algorithms import distill_advantages
+
+    teacher, student = torch.tensor([[-0.5, -3.0, 7.0], [-1.0, -1.0, 0.0]]), torch.tensor([[-2.0, -1.0, 0.0],
+                                                                                        [-1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # scores 1 and 0, one group of 2
+    x = AdvantageInputs(rewards, mask, 2, teacher_gap=teacher - student)
+    torch.testing.assert_close(distill_advantages(x, AlgorithmConfig()), torch.tensor([[1.5, -2.0, 0.0],
+                                                                                       [0.0, 0.0, 0.0]]))
+    x.reward_weight = 0.5
+    grpo = 0.5 / (0.5 ** 0.5 + 1e-6)
+    torch.testing.assert_close(distill_advantages(x, AlgorithmConfig()),
+                               torch.tensor([[1.5 + 0.5 * grpo, -2.0 + 0.5 * grpo, 0.0],
+                                             [-0.5 * grpo, -0.5 * grpo, 0.0]]))
+    x.teacher_gap, x.reward_weight = student - student, 0.0
+    assert distill_advantages(x, AlgorithmConfig()).abs().max() == 0
+
+
+def test_a_teacher_and_the_distill_estimator_go_together():
+    from grpo import Config, check_config
+
+    cfg = Config()
+    cfg.algorithm.adv_estimator = "distill"
+    with pytest.raises(SystemExit, match="--algorithm.adv-estimator distill needs --distill.teacher"):
+        check_config(cfg, world_size=1)
+    cfg.algorithm.adv_estimator, cfg.distill.teacher = "rloo", "tiny:qwen3"
+    with pytest.raises(SystemExit, match="--distill.teacher tiny:qwen3: only --algorithm.adv-estimator distill"):
+        check_config(cfg, world_size=1)
+    cfg.algorithm.adv_estimator, cfg.distill.reward_weight, cfg.rollout.n = "distill", 0.5, 1
+    with pytest.raises(SystemExit, match="--rollout.n 1: distill compares"):  # the outcome's GRPO needs a group
+        check_config(cfg, world_size=1)
+    cfg.distill.reward_weight = 0.0
+    check_config(cfg, world_size=1)  # the teacher alone needs no group

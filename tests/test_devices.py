@@ -147,8 +147,9 @@ def test_token_rewards_and_every_estimator_stay_on_the_device(device, estimator)
     kl_in_reward = AlgorithmConfig(use_kl_loss=False, use_kl_in_reward=True)  # adaptive needs the host: GPU only
     rewards, _ = token_rewards(torch.tensor([1.0, 0.0, 0.5, 0.5], device=device), mask, old, ref, kl_in_reward, 0.1)
     baselines = torch.tensor([0.5, 0.0], device=device)  # [G]
-    advantages = ADVANTAGE_ESTIMATORS[estimator](AdvantageInputs(rewards, mask, 2, baselines, sum_over_ranks),
-                                                 AlgorithmConfig())
+    teacher_gap = torch.randn(mask.shape, device=device)  # on-policy distillation's (the others ignore it)
+    advantages = ADVANTAGE_ESTIMATORS[estimator](AdvantageInputs(rewards, mask, 2, baselines, sum_over_ranks,
+                                                                 teacher_gap, reward_weight=0.5), AlgorithmConfig())
     assert advantages.shape == mask.shape
     assert_on(device, rewards, advantages)
 

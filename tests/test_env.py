@@ -390,7 +390,7 @@ def test_the_env_reward_reads_the_environments_score():
     assert RewardFunction(RewardConfig("env")).fn is env_reward
 
 
-def test_an_answer_on_its_own_is_the_whole_conversations_rendering_in_qwens_vocabulary():
+def test_an_answer_on_its_own_is_the_whole_conversations_rendering_in_qwens_vocabulary(world_of_one):
     """Real Qwen2.5 BPE: the open prompt, reset's answer with the end of the turn, a canonical generated turn and
     respond's answer, appended id by id, are the tokens of the whole conversation rendered at once (the user's text
     and reset's answer one message, as TRL renders it); a turn sampled in other pieces keeps its own ids."""

@@ -262,6 +262,24 @@ def test_a_reward_model_counts_in_every_phase_as_the_reference_does():
     assert offloaded.rollout[REWARD_MODEL] == 0 and offloaded.training[REWARD_MODEL] == 2 * R // W
 
 
+def test_a_distillation_teacher_counts_in_every_phase_as_the_reward_model_does(tmp_path):
+    """--distill.teacher of T parameters (a 7B teacher, a 1.5B student): 2T/W in each phase; the trainer's flags give
+    its count (check_run_memory reads the teacher's config)."""
+    from grpo import Config
+    from plumbing.memory import TEACHER, check_run_memory
+
+    T, W = count_parameters(QWEN_7B), 8
+    e = estimate_memory(QWEN_1_5B, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=True,
+                        teacher_params=T, **RUN)
+    assert e.rollout[TEACHER] == e.sync[TEACHER] == e.training[TEACHER] == 2 * T // W
+    QWEN_7B.save_pretrained(tmp_path / "teacher")
+    QWEN_1_5B.save_pretrained(tmp_path / "student")
+    cfg = Config()
+    cfg.algorithm.adv_estimator, cfg.distill.teacher = "distill", str(tmp_path / "teacher")
+    run = check_run_memory(cfg, str(tmp_path / "student"), world_size=W, gpu_bytes=GPU_80GB)
+    assert run.training[TEACHER] == 2 * T // W
+
+
 def test_1_5b_on_eight_gpus_is_accepted():
     e = check_memory(QWEN_1_5B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
     assert max(e.rollout_total, e.training_total) <= GPU_80GB
@@ -411,3 +429,25 @@ def test_the_recipe_presets_fit_the_gpus_they_name(tmp_path, preset, model, fewe
     if fewer:
         with pytest.raises(SystemExit, match="does not fit"):
             check_run_memory(cfg, str(tmp_path), world_size=fewer, gpu_bytes=80 * 2**30)
+
+
+def test_the_distillation_preset_fits_eight_gpus_with_its_teacher(tmp_path):
+    """configs/distill_qwen3_8b.yaml with Qwen3-8B's shape as the student and Qwen3-32B's as the teacher (32.8B
+    parameters held in bf16 beside the student): accepted on its 8 GPUs of 80 GiB, refused on 2 (the teacher's 30 GiB
+    a GPU beside vLLM's budget)."""
+    from grpo import parse_config
+    from plumbing.memory import TEACHER, check_run_memory
+
+    Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                tie_word_embeddings=False).save_pretrained(tmp_path / "student")
+    teacher = Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
+    teacher.save_pretrained(tmp_path / "teacher")
+    cfg = parse_config(["distill_qwen3_8b"])
+    assert cfg.distill.teacher == "Qwen/Qwen3-32B" and cfg.lora.rank == 128
+    cfg.distill.teacher = str(tmp_path / "teacher")
+    fits = check_run_memory(cfg, str(tmp_path / "student"), world_size=8, gpu_bytes=80 * 2**30)
+    assert fits.rollout[TEACHER] == 2 * count_parameters(teacher) // 8
+    with pytest.raises(SystemExit, match="rollout phase does not fit(.|\n)*distillation teacher"):
+        check_run_memory(cfg, str(tmp_path / "student"), world_size=2, gpu_bytes=80 * 2**30)
