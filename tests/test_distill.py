@@ -61,3 +61,15 @@ def test_another_teacher_is_learned_from_and_one_of_another_tokenizer_is_refused
     assert [m["step"] for m in metrics] == [1, 2] and all(m["actor/optimizer_steps"] == 2 for m in metrics)
     for m in metrics:
         assert m["distill/reverse_kl"] > 0.01 and m["actor/pg_loss"] != 0 and math.isfinite(m["actor/grad_norm"])
+
+
+def test_the_toy_preset_learns_from_the_default_jobs_final_model():
+    """`grpo.py toy_distill` after the default job: its teacher is that run's final folder, in the runs/ folder the
+    default job writes (README: the default job), and the flags pass the start-up checks."""
+    import grpo
+
+    cfg = grpo.parse_config(["toy_distill"])
+    grpo.check_config(cfg, world_size=2)
+    default = grpo.parse_config([])
+    assert cfg.distill.teacher == f"{default.trainer.output_dir}/{default.trainer.experiment_name}/final"
+    assert cfg.actor.model_path == default.actor.model_path and cfg.algorithm.adv_estimator == "distill"

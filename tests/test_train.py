@@ -298,10 +298,11 @@ def hub_model(preset: Path) -> bool:
 
 
 # the offline presets but those test_learning.py trains for longer (toy, toy_motion, toy_env), toy_vision (2 steps with
-# the real tokenizer in test_real_tokenizer.py) and toy_tools (2 steps in test_episodes.py); the others need models from
-# the hub
+# the real tokenizer in test_real_tokenizer.py), toy_tools (2 steps in test_episodes.py) and toy_distill (its teacher
+# is the default job's trained model; the estimator's runs: test_distill.py); the others need models from the hub
 PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")
-                 if not hub_model(p) and p.stem not in ("toy", "toy_vision", "toy_motion", "toy_tools", "toy_env"))
+                 if not hub_model(p)
+                 and p.stem not in ("toy", "toy_vision", "toy_motion", "toy_tools", "toy_env", "toy_distill"))
 HUB_PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if hub_model(p))
 
 
