@@ -268,36 +268,39 @@ def load_actor_and_reference(actor_cfg, lora_cfg: LoRAConfig, model_path: str, d
 
 def load_reward_model(path: str, device: torch.device, tokenizer,
                       cpu_offload: bool = False) -> torch.nn.Module:
-    """A frozen sequence-classification reward model, sharded as the reference is (bf16 on GPU),
-    that scores the trainer's own token ids: its tokenizer must be the policy's."""
-    from transformers import AutoTokenizer
-
+    """A frozen sequence-classification reward model that scores the trainer's own token ids
+    (load_scorer)."""
     config = AutoConfig.from_pretrained(path)
     if (model_class(config).__name__ != "AutoModelForSequenceClassification"
             or config.num_labels != 1):
         raise SystemExit(f"--reward.model {path}: not a reward model (a "
                          "...ForSequenceClassification checkpoint of one label), but "
                          f"{', '.join(config.architectures or [type(config).__name__])}")
-    if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
-        raise SystemExit(f"--reward.model {path}: its tokenizer is not the policy's, and the "
-                         "reward model scores the policy's token ids; pick a reward model trained "
-                         "on the policy's tokenizer")
-    return load_sharded_model(path, device, trainable=False,
-                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                              cpu_offload=cpu_offload)
+    return load_scorer(path, device, tokenizer, cpu_offload,
+                       f"--reward.model {path}: its tokenizer is not the policy's, and the reward "
+                       "model scores the policy's token ids; pick a reward model trained on the "
+                       "policy's tokenizer")
 
 
 def load_teacher(path: str, device: torch.device, tokenizer,
                  cpu_offload: bool = False) -> torch.nn.Module:
-    """On-policy distillation's teacher (--distill.teacher): a frozen model sharded as the
-    reference is (bf16 on GPU), which scores the student's own token ids: its tokenizer must be the
-    student's (another size of the same family)."""
+    """On-policy distillation's teacher (--distill.teacher), which scores the student's own token
+    ids (load_scorer): another size of the student's family."""
+    return load_scorer(path, device, tokenizer, cpu_offload,
+                       f"--distill.teacher {path}: its tokenizer is not the student's, and the "
+                       "teacher scores the student's token ids; pick a teacher of the student's "
+                       "family (the same tokenizer)")
+
+
+def load_scorer(path: str, device: torch.device, tokenizer, cpu_offload: bool,
+                refusal: str) -> torch.nn.Module:
+    """A frozen model beside the policy that scores the policy's token ids (a reward model, a
+    teacher), sharded as the reference is (bf16 on GPU); refused with `refusal` unless its
+    tokenizer is the policy's."""
     from transformers import AutoTokenizer
 
     if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
-        raise SystemExit(f"--distill.teacher {path}: its tokenizer is not the student's, and the "
-                         "teacher scores the student's token ids; pick a teacher of the student's "
-                         "family (the same tokenizer)")
+        raise SystemExit(refusal)
     return load_sharded_model(path, device, trainable=False,
                               dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                               cpu_offload=cpu_offload)

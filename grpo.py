@@ -576,6 +576,7 @@ def main(cfg: Config) -> None:
                 with timer("ref_logprob"), adapters_off(actor) if ref is None else nullcontext():
                     batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch,
                                                           **passes)
+            teacher_logprobs = None  # on-policy distillation's teacher scores the samples
             if teacher is not None:
                 with timer("teacher_logprob"):
                     teacher_logprobs = batched_logprobs(teacher, batch, **passes)
@@ -584,8 +585,7 @@ def main(cfg: Config) -> None:
             # what an async reward has left (it ran beside the passes above), the model's pass
             with timer("reward"):
                 scores.give(groups, batch)
-            metrics.update(advantages(batch, groups, kl, cfg, sp,
-                                      teacher_logprobs if teacher is not None else None))
+            metrics.update(advantages(batch, groups, kl, cfg, sp, teacher_logprobs))
 
             # ---- update --------------------------------------------------------------------------
             if cfg.actor.balance_ranks and run.world > sp.size:  # over the data-parallel ranks
