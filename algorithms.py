@@ -26,8 +26,13 @@ class DistillConfig:
     """On-policy distillation: the teacher model (a folder, hub id or tiny:NAME) with the student's
     tokenizer, frozen and sharded as the reference is; with --algorithm.adv-estimator distill."""
     reward_weight: float = 0.0
-    """The weight of GRPO's outcome advantage beside the teacher's per-token one (0: the teacher
-    alone)."""
+    """The weight of GRPO's outcome advantage beside the teacher's signal (0: the teacher alone)."""
+    kl: Literal["sampled", "reverse", "forward"] = "sampled"
+    """The teacher's signal. sampled: each sampled token's log pi_teacher - log pi_old is its
+    advantage (Thinking Machines' recipe: the teacher's log-prob of that token alone); reverse /
+    forward: KL(student || teacher) / KL(teacher || student) over the whole vocabulary at every
+    response token, added to the loss (GKD's on-policy divergences: the teacher's whole
+    distribution in the head's chunks, its forward in the update's micro-batches)."""
 
 
 
@@ -324,9 +329,10 @@ def distill_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tens
     Example: a token the teacher finds likelier than the student does (log-probs -0.5 against -2.0)
     gets +1.5, one it finds less likely (-3.0 against -1.0) gets -2.0; with w = 0.5 and a group
     [1, 0] both tokens of the first response get 0.5 x 0.707 more. A teacher equal to the student:
-    0 everywhere.
+    0 everywhere. With --distill.kl reverse or forward the teacher's signal is no advantage but a
+    divergence in the loss (no `teacher_gap`): the advantages are w x GRPO's alone.
     """
-    advantages = x.teacher_gap * x.mask
+    advantages = torch.zeros_like(x.mask) if x.teacher_gap is None else x.teacher_gap * x.mask
     return advantages + x.reward_weight * grpo_advantages(x, cfg) if x.reward_weight else advantages
 
 

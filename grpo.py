@@ -51,7 +51,7 @@ from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
 from env import EpisodeRollout, check_environment, environment_class, episode_metrics, episodes_of
 from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source,
                         check_output_folder, init_distributed, load_actor_and_reference,
-                        load_reward_model, load_teacher, save_hf_model)
+                        load_reward_model, load_teacher, reshard, save_hf_model)
 from logprobs import (Batch, batch_of, batched_logprobs, micro_batches, response_logprobs,
                       reward_model_scores)
 from lora import LoRAConfig, adapters_off
@@ -302,8 +302,8 @@ def advantages(batch: Batch, groups: list[Group], kl: RewardKL, cfg: Config,
     return metrics
 
 
-def backward_mini_batch(model, batch: Batch, cfg: Config,
-                        sp: SequenceParallel = NO_SP) -> tuple[dict, torch.Tensor]:
+def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel = NO_SP,
+                        teacher=None) -> tuple[dict, torch.Tensor]:
     """Loss and backward over the micro-batches of one mini-batch (this rank's share of it).
 
     The accumulated gradient equals that of the whole mini-batch on all ranks at once: every
@@ -314,9 +314,12 @@ def backward_mini_batch(model, batch: Batch, cfg: Config,
     count) for logging, as tensors on the batch's device, and this forward's log-probs [B, R],
     detached. With sequence parallelism the N ranks of a group hold the same rows, so the global
     counts are N times the group's and each rank's loss 1/N of it; the log-probs' gather sums the N
-    ranks' gradients back onto the rank that computed each one: every sequence counts once.
+    ranks' gradients back onto the rank that computed each one: every sequence counts once. With
+    --distill.kl reverse or forward, that divergence from the `teacher` at each token, over the
+    whole vocabulary, is in the loss (sampled: the teacher is in the advantages already).
     """
     algo = cfg.algorithm
+    teacher = teacher if cfg.distill.kl != "sampled" else None
     mask = batch.loss_mask  # [B, R]: without what the rollout correction masked out
     counts = all_reduce({"tokens": mask.sum(), "sequences": (mask.sum(-1) > 0).sum()}, mask.device)
     token_sum_norm = algo.token_sum_norm or cfg.rollout.max_response_length
@@ -325,9 +328,9 @@ def backward_mini_batch(model, batch: Batch, cfg: Config,
     for rows in micro_batches(batch, cfg.actor.micro_batch_size,
                               cfg.actor.max_tokens_per_micro_batch):
         micro = batch.select(rows)
-        logprobs, entropy = response_logprobs(model, micro, cfg.rollout.temperature,  # [b, R]
-                                              cfg.actor.padding_free, sp, cfg.rollout.top_k,
-                                              cfg.rollout.top_p, entropy=True)
+        logprobs, entropy, *distill = response_logprobs(  # [b, R] each
+            model, micro, cfg.rollout.temperature, cfg.actor.padding_free, sp, cfg.rollout.top_k,
+            cfg.rollout.top_p, entropy=True, teacher=teacher, divergence=cfg.distill.kl)
         own[torch.tensor(rows, device=mask.device)] = logprobs.detach()
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
@@ -344,18 +347,24 @@ def backward_mini_batch(model, batch: Batch, cfg: Config,
             kl = kl_penalty(logprobs, micro.ref_logprobs, algo.kl_penalty)
             loss = loss + algo.kl_coef * kl
             stats["actor/kl_loss"] = kl.detach()
+        if distill:  # the divergence from the teacher at each token, whole distributions
+            loss = loss + distill[0]
+            stats[f"distill/{cfg.distill.kl}_kl"] = distill[0].detach()
         aggregate(loss, inputs.mask, algo.loss_agg_mode, global_tokens=counts["tokens"],
                   global_sequences=counts["sequences"], token_sum_norm=token_sum_norm).backward()
         for key, value in stats.items():
             sums[key] = sums.get(key, 0.0) + (value * inputs.mask).sum()
+    if teacher is not None:  # its root stayed gathered for its head in every micro-batch
+        reshard(teacher)
     return sums, own
 
 
-def update_policy(model, optimizer, batch: Batch, cfg: Config, sp: SequenceParallel = NO_SP
-                  ) -> tuple[dict, torch.Tensor]:
-    """PPO epochs x mini-batches, one optimizer step each. Returns the metrics and the log-probs
-    [B, R] of each mini-batch's first forward, before its optimizer step: without
-    `batch.old_logprobs` (on-policy: one epoch, one mini-batch) these are the old log-probs."""
+def update_policy(model, optimizer, batch: Batch, cfg: Config, sp: SequenceParallel = NO_SP,
+                  teacher=None) -> tuple[dict, torch.Tensor]:
+    """PPO epochs x mini-batches, one optimizer step each (with a `teacher`, its divergence in the
+    loss: backward_mini_batch). Returns the metrics and the log-probs [B, R] of each mini-batch's
+    first forward, before its optimizer step: without `batch.old_logprobs` (on-policy: one epoch,
+    one mini-batch) these are the old log-probs."""
     mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n * sp.size // dist.get_world_size()
     if batch.old_logprobs is None and (cfg.trainer.ppo_epochs > 1 or len(batch) > mini_batch):
         raise ValueError("several optimizer steps per rollout batch need the old log-probs "
@@ -366,7 +375,7 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config, sp: SequenceParal
     for epoch in range(cfg.trainer.ppo_epochs):
         for start in range(0, len(batch), mini_batch):
             index = slice(start, start + mini_batch)
-            mini_sums, logprobs = backward_mini_batch(model, batch.select(index), cfg, sp)
+            mini_sums, logprobs = backward_mini_batch(model, batch.select(index), cfg, sp, teacher)
             if epoch == 0:
                 first_logprobs[index] = logprobs
             for key, value in mini_sums.items():
@@ -577,7 +586,7 @@ def main(cfg: Config) -> None:
                     batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch,
                                                           **passes)
             teacher_logprobs = None  # on-policy distillation's teacher scores the samples
-            if teacher is not None:
+            if teacher is not None and cfg.distill.kl == "sampled":
                 with timer("teacher_logprob"):
                     teacher_logprobs = batched_logprobs(teacher, batch, **passes)
 
@@ -597,7 +606,8 @@ def main(cfg: Config) -> None:
                 with timer("sync"):
                     rollout.sync_weights(actor, version=step - 1)
             with timer("update"):
-                update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg, sp)
+                update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg, sp,
+                                                               teacher)
                 scheduler.step()
             # for the gap metrics: the trainer's log-probs before its update
             if on_policy or engine_old:
@@ -663,13 +673,13 @@ def scoring_of(cfg: Config, run: Run, tokenizer, processor) -> tuple[Scoring, An
 
 def on_policy_update(cfg: Config) -> bool:
     """One optimizer step per rollout batch, nothing computed from the old log-probs before it (no
-    KL in the reward, no rollout correction, no teacher): the old log-probs are the update's own
-    forward's, no pass of their own (TRL's way)."""
+    KL in the reward, no rollout correction, no teacher's sampled-token gap): the old log-probs are
+    the update's own forward's, no pass of their own (TRL's way)."""
     algo = cfg.algorithm
     return (cfg.trainer.ppo_epochs == 1
             and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
             and not algo.use_kl_in_reward and algo.rollout_correction == "none"
-            and not cfg.distill.teacher)
+            and not (cfg.distill.teacher and cfg.distill.kl == "sampled"))
 
 
 def pass_settings(cfg: Config, sp: SequenceParallel) -> dict:

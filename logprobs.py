@@ -358,41 +358,68 @@ def sampled_support(logits: torch.Tensor, targets: torch.Tensor, top_k: int,
     return logits.masked_fill(leave.scatter(-1, targets[:, None], False), -torch.inf)
 
 
-def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: float, placeholders: list[int], top_k: int = -1,
-                    top_p: float = 1.0, entropy: bool = False) -> torch.Tensor:
-    """log softmax(head(hidden) / temperature)[target] for one chunk: [c, H] -> [c], through fp32
-    logits; with top-k / top-p, the softmax over the tokens sampling kept (sampled_support), as the
-    engines' log-probs are. `entropy`: [c, 2], the log-prob and the entropy of that distribution,
-    H = -sum_v p_v log p_v over the tokens it keeps (p = [0.5, 0.5, 0]: log 2)."""
+def _logits(head: torch.nn.Module, hidden: torch.Tensor, temperature: float,
+            placeholders: list[int]) -> torch.Tensor:
+    """head(hidden) / temperature in fp32 [c, V], the engines' bias on image placeholders."""
     logits = head(hidden).float() / temperature  # [c, V]
     if placeholders:
         logits[:, placeholders] += PLACEHOLDER_BIAS / temperature
+    return logits
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: float, placeholders: list[int], top_k: int = -1,
+                    top_p: float = 1.0, entropy: bool = False,
+                    teacher: tuple[torch.nn.Module, torch.Tensor] | None = None,
+                    divergence: str = "reverse") -> torch.Tensor:
+    """log softmax(head(hidden) / temperature)[target] for one chunk: [c, H] -> [c], through fp32
+    logits; with top-k / top-p, the softmax over the tokens sampling kept (sampled_support), as the
+    engines' log-probs are. `entropy`: [c, 2], the log-prob and the entropy of that distribution,
+    H = -sum_v p_v log p_v over the tokens it keeps (p = [0.5, 0.5, 0]: log 2).
+
+    A `teacher` (on-policy distillation, --distill.kl reverse or forward): its head and hidden
+    states [c, H_t]; a third column, the divergence between the policy's distribution p and the
+    teacher's q over the whole vocabulary (top-k / top-p left out: a truncated p is 0 where q is
+    not, and the forward KL would be infinite), at the same temperature, the teacher's logits
+    without gradient: `reverse` KL(p || q) = sum_v p_v (log p_v - log q_v), `forward`
+    KL(q || p) = sum_v q_v (log q_v - log p_v). p = [0.5, 0.5], q = [0.8, 0.2]: reverse 0.223,
+    forward 0.193."""
+    logits = _logits(head, hidden, temperature, placeholders)  # [c, V]
+    whole = logits
     if top_k > 0 or top_p < 1:
         logits = sampled_support(logits, targets, top_k, top_p)
-    if not entropy:
+    if not entropy and teacher is None:
         return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [c]
     logp = logits - logits.logsumexp(-1, keepdim=True)  # [c, V], -inf off the support
-    entropies = -(logp.exp() * logp.where(logp.isfinite(), 0)).sum(-1)  # [c]
-    return torch.stack([logp.gather(-1, targets[:, None]).squeeze(-1), entropies], -1)  # [c, 2]
+    columns = [logp.gather(-1, targets[:, None]).squeeze(-1),  # [c] each
+               -(logp.exp() * logp.where(logp.isfinite(), 0)).sum(-1)]
+    if teacher is not None:
+        with torch.no_grad():
+            logq = _logits(*teacher, temperature, placeholders).log_softmax(-1)  # [c, V]
+        logp = whole.log_softmax(-1)
+        columns.append((logp.exp() * (logp - logq)).sum(-1) if divergence == "reverse"
+                       else (logq.exp() * (logq - logp)).sum(-1))
+    return torch.stack(columns, -1)  # [c, 2 or 3]
 
 
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                   temperature: float, placeholders: list[int], chunk: int = CHUNK_TOKENS,
-                  top_k: int = -1, top_p: float = 1.0, entropy: bool = False) -> torch.Tensor:
+                  top_k: int = -1, top_p: float = 1.0, entropy: bool = False,
+                  teacher: tuple[torch.nn.Module, torch.Tensor] | None = None,
+                  divergence: str = "reverse") -> torch.Tensor:
     """Log-probs of `targets` [N] from the hidden states that predict them [N, H], `chunk` tokens at
     a time; with gradients, each chunk's logits are recomputed in the backward pass instead of
-    kept. `entropy`: [N, 2], each token's log-prob and the policy's entropy there
+    kept. `entropy`: [N, 2], each token's log-prob and the policy's entropy there; with a
+    `teacher`'s head and hidden states [N, H_t]: [N, 3], the divergence to the teacher third
     (_chunk_logprobs), in the same pass."""
     pieces = []
-    for h, y in zip(hidden.split(chunk), targets.split(chunk)):
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logprobs, head, h, y, temperature, placeholders,
-                                     top_k, top_p, entropy, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(head, h, y, temperature, placeholders, top_k, top_p,
-                                          entropy))
-    return torch.cat(pieces) if pieces else hidden.new_zeros((0, 2) if entropy else (0,))
+    for k, (h, y) in enumerate(zip(hidden.split(chunk), targets.split(chunk))):
+        mine = teacher and (teacher[0], teacher[1][k * chunk: (k + 1) * chunk])  # this chunk's
+        args = (head, h, y, temperature, placeholders, top_k, top_p, entropy, mine, divergence)
+        pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+                      if torch.is_grad_enabled() else _chunk_logprobs(*args))
+    columns = 3 if teacher else 2 if entropy else 0
+    return torch.cat(pieces) if pieces else hidden.new_zeros((0, columns) if columns else (0,))
 
 
 def decoder_states(model, inputs: dict, **kwargs) -> torch.Tensor:
@@ -427,32 +454,54 @@ def _over_micro_batches(model, batch: Batch, micro_batch_size: int, max_tokens: 
 
 
 def response_logprobs(model, batch: Batch, temperature: float, padding_free: bool = True,
-                      sp: SequenceParallel = NO_SP, top_k: int = -1,
-                      top_p: float = 1.0, entropy: bool = False):
+                      sp: SequenceParallel = NO_SP, top_k: int = -1, top_p: float = 1.0,
+                      entropy: bool = False, teacher=None, divergence: str = "reverse"):
     """log pi(response token | everything before it), logits divided by the sampling temperature
     -> [b, R], 0 on padding; with top-k / top-p, of the distribution sampling kept
     (sampled_support), as the engines' are. `entropy`: (log-probs, entropies), the second the
     entropy of the policy's distribution at each response token [b, R], from the same chunks of
-    the head (no [tokens, vocabulary] tensor kept), with its gradient.
+    the head (no [tokens, vocabulary] tensor kept), with its gradient. A `teacher` (on-policy
+    distillation, --distill.kl reverse or forward): (log-probs, entropies, divergences), the third
+    the `divergence` between the policy's and the teacher's distributions at each response token
+    [b, R] (_chunk_logprobs), the teacher's forward run first on the same micro-batch
+    (teacher_states).
 
     A vision-language model's image placeholder tokens get the engines' logit bias (vision.py). With
     sequence parallelism every rank of the group computes the log-probs of the tokens its slice
     predicts, and all of them get the whole [b, R] (sequence_parallel.py; the gradient of each entry
     flows to the rank that computed it).
     """
+    if teacher is not None:  # [N, H_t]
+        teacher = teacher.get_output_embeddings(), teacher_states(teacher, batch, padding_free, sp)
     inputs, index, slots = forward_inputs(model, batch, padding_free, sp)
-    with sp.hooked(model):  # asked for no logits: the decoder's output is all we take
-        states = decoder_states(
-            model, inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=index.device))
-    hidden = states.flatten(0, 1)[index]  # [N, H]: the positions that predict the response tokens
+    hidden = response_states(model, inputs, index, sp)  # [N, H]
     b, R = batch.responses.shape
-    values = head_logprobs(model.get_output_embeddings(), hidden,  # [N] or [N, 2]
+    values = head_logprobs(model.get_output_embeddings(), hidden,  # [N], [N, 2] or [N, 3]
                            batch.responses.flatten()[slots], temperature,
                            placeholder_token_ids(model.config), top_k=top_k, top_p=top_p,
-                           entropy=entropy)
-    if entropy:
+                           entropy=entropy, teacher=teacher, divergence=divergence)
+    if values.dim() == 2:
         return tuple(_spread(column, slots, b, R, sp) for column in values.unbind(-1))
     return _spread(values, slots, b, R, sp)
+
+
+def response_states(model, inputs: dict, index: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """The decoder's last hidden states at the positions that predict the response tokens [N, H]
+    (forward_inputs' index), the model asked for no logits."""
+    with sp.hooked(model):
+        states = decoder_states(
+            model, inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=index.device))
+    return states.flatten(0, 1)[index]
+
+
+@torch.no_grad()
+def teacher_states(teacher, batch: Batch, padding_free: bool, sp: SequenceParallel) -> torch.Tensor:
+    """The teacher's hidden states that predict the micro-batch's response tokens [N, H_t] (a frozen
+    model is in eval mode: fsdp_utils.load_sharded_model). Its root FSDP unit stays gathered (its
+    head is applied in the student's chunks); the caller reshards it after the update
+    (fsdp_utils.reshard)."""
+    inputs, index, _ = forward_inputs(teacher, batch, padding_free, sp)
+    return response_states(teacher, inputs, index, sp)
 
 
 def _spread(values: torch.Tensor, slots: torch.Tensor, b: int, R: int,

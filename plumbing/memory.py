@@ -41,6 +41,10 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
       logits, their fp32 copy, the log-softmax's fp32 intermediate, the entropy's fp32 probabilities and their
       product with the log-probabilities, the fp32 and bf16 gradients): the output head runs a chunk at a time,
       never on all T tokens
+    a distillation teacher whose divergence is in the loss (--distill.kl reverse or forward: its forward runs in
+      each micro-batch of the update, its head in the student's chunks): its root gathered in bf16, 2 x root_t,
+      its hidden states of the micro-batch, T/N x h_t x 2, and its side of a chunk, c x V x 16 (bf16 logits,
+      fp32 log-softmax and probabilities, the student's whole-vocabulary log-softmax beside them)
     vLLM's CUDA graphs (1 GiB), overhead: 2 GiB
 - an evaluation (--trainer.val-only) has no training phase, no reference and no AdamW states: the actor is its
   params, pP/W (LoRA: 2P/W), in the rollout and sync phases
@@ -85,6 +89,7 @@ OVERHEAD = "CUDA context, NCCL, fragmentation"
 REFERENCE = "reference: bf16 params"
 REWARD_MODEL = "reward model: bf16 params"
 TEACHER = "distillation teacher: bf16 params"
+TEACHER_IN_LOSS = "distillation teacher in the loss: root, hidden states, logits"
 VLLM = "vLLM: weights + KV cache budget"
 VLLM_WEIGHTS = "vLLM: bf16 weights (reloading)"
 VLLM_GRAPHS = "vLLM: CUDA graphs (kept while asleep)"
@@ -223,14 +228,15 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                     moment_bytes: int = 8, cpu_offload: bool = False, offload_while_generating: bool = False,
                     lora: bool = False, enforce_eager: bool = False, sequence_parallel_size: int = 1,
                     evaluation: bool = False, reward_model_params: int = 0,
-                    teacher_params: int = 0) -> MemoryEstimate:
+                    teacher_params: int = 0, teacher_in_loss=None) -> MemoryEstimate:
     """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
 
     Example: P = 1e9 on W = 4 GPUs with KL, fp32 AdamW -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
     training actor 4e9 (16P/W); V = 151936 -> logits of one 1024-token chunk 1.6e9 bytes. Sequence parallelism
     over N = 4: the activations of a micro-batch of T tokens are those of T/4 (each rank holds a quarter of the row).
     `evaluation`: --trainer.val-only (no training phase, the actor its params only); `reward_model_params`: R;
-    `teacher_params`: the distillation teacher's, held as the reward model is.
+    `teacher_params`: the distillation teacher's, held as the reward model is; `teacher_in_loss`: its config when its
+    divergence is in the loss (--distill.kl reverse or forward).
     """
     counts = _parameter_counts(model_config)
     P, root, layer = counts.total, counts.root, counts.layer
@@ -281,6 +287,10 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                 GRADIENTS: 0 if lora else 2 * (root + 2 * layer) + 4 * max(root, layer),
                 ACTIVATIONS + (" (checkpointed)" if gradient_checkpointing else ""): activations,
                 LOGITS: min(held, CHUNK_TOKENS) * V * 24, **graphs, OVERHEAD: 2 * GiB} if not evaluation else {}
+    if teacher_in_loss and training:
+        training[TEACHER_IN_LOSS] = (2 * _parameter_counts(teacher_in_loss).root
+                                     + held * teacher_in_loss.get_text_config().hidden_size * 2
+                                     + min(held, CHUNK_TOKENS) * V * 16)
     return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs, P, counts.active)
 
 
@@ -353,12 +363,14 @@ def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> M
     """check_memory with a grpo.py run's settings (`cfg` is its Config), called at start-up on GPU."""
     reward_model = resolve_model(cfg.reward.model, cfg.trainer.output_dir)  # built already, by grpo.main
     teacher = resolve_model(cfg.distill.teacher, cfg.trainer.output_dir)
+    teacher_config = AutoConfig.from_pretrained(teacher) if teacher else None
     return check_memory(AutoConfig.from_pretrained(model_path), world_size=world_size, gpu_bytes=gpu_bytes,
                         kl=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
                         evaluation=cfg.trainer.val_only,
                         reward_model_params=count_parameters(AutoConfig.from_pretrained(reward_model))
                         if reward_model else 0,
-                        teacher_params=count_parameters(AutoConfig.from_pretrained(teacher)) if teacher else 0,
+                        teacher_params=count_parameters(teacher_config) if teacher else 0,
+                        teacher_in_loss=teacher_config if teacher and cfg.distill.kl != "sampled" else None,
                         # a micro-batch holds at most a rank's share of the rollout batch, whatever the flag says
                         micro_batch_size=min(cfg.actor.micro_batch_size, cfg.trainer.rollout_batch_size *
                                              cfg.rollout.n * cfg.actor.sequence_parallel_size // world_size),

@@ -1,15 +1,179 @@
-"""On-policy distillation through the entry point (`--algorithm.adv-estimator distill --distill.teacher T`): the
-estimator by hand is in test_algorithms.py, the teacher's memory in test_memory.py, what it teaches in
-test_learning.py."""
+"""On-policy distillation (`--algorithm.adv-estimator distill --distill.teacher T`): the whole-vocabulary divergences
+(--distill.kl reverse / forward) against their textbook formulas, by hand, chunked, packed and through the update; the
+entry point with each signal. The sampled signal's estimator by hand is in test_algorithms.py, the teacher's memory in
+test_memory.py, what it teaches a fresh student in test_learning.py."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import logprobs
 from conftest import FAST, SIGNAL
 from launches import Part, launched_run, uses_runs
+from logprobs import make_batch, response_logprobs
+from plumbing.memory import CHUNK_TOKENS
+from test_logprobs import PROMPTS, RESPONSES, assert_same_gradients, gradients
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Qwen2 student (hidden size 128) and a tiny Qwen3 teacher of the same tokenizer, larger (hidden size 192,
+    3 layers), with the trainer's attention."""
+    from transformers import AutoModelForCausalLM
+
+    from plumbing.attention import PACKED_SDPA
+    from plumbing.tiny import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("distill")
+    paths = (build_tiny_model("qwen2", folder / "student"),
+             build_tiny_model("qwen3", folder / "teacher", hidden_size=192, num_hidden_layers=3))
+    return tuple(AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED_SDPA).eval() for path in paths)
+
+
+def identity_head(size: int) -> torch.nn.Linear:
+    head = torch.nn.Linear(size, size, bias=False)
+    head.weight.data = torch.eye(size)
+    return head
+
+
+def test_the_divergences_and_their_gradients_by_hand():
+    """p = [0.5, 0.5] (the student's logits z), q = [0.8, 0.2]: reverse KL(p || q) = 0.5 ln(0.5/0.8) + 0.5 ln(0.5/0.2)
+    = 0.2231, forward KL(q || p) = 0.8 ln(0.8/0.5) + 0.2 ln(0.2/0.5) = 0.1927. Gradients in z: reverse
+    p_i (ln p_i - ln q_i - KL) = [-0.3466, 0.3466], forward p - q = [-0.3, 0.3]; the teacher's side none. The entropy
+    column is ln 2 for both; top-k 1 truncates the entropy's distribution, not the divergence's."""
+    head = identity_head(2)
+    teacher_head = identity_head(2).requires_grad_(False)
+    q = torch.tensor([[0.8, 0.2]]).log()
+    expected = {"reverse": (0.2231, [-0.3466, 0.3466]), "forward": (0.1927, [-0.3, 0.3])}
+    for divergence, (value, gradient) in expected.items():
+        z = torch.zeros(1, 2, requires_grad=True)
+        out = logprobs._chunk_logprobs(head, z, torch.tensor([0]), 1.0, [], entropy=True, teacher=(teacher_head, q),
+                                       divergence=divergence)
+        out[0, 2].backward()
+        assert out[0, 1].item() == pytest.approx(math.log(2), abs=1e-6)
+        assert out[0, 2].item() == pytest.approx(value, abs=1e-4)
+        assert z.grad[0].tolist() == pytest.approx(gradient, abs=1e-4)
+    # z = [1, 0]: p = [0.7311, 0.2689]; top-k 1 keeps one token for the entropy (0), the divergences see all of p
+    z, p = torch.tensor([[1.0, 0.0]]), [math.e / (math.e + 1), 1 / (math.e + 1)]
+    for divergence, value in {"reverse": sum(a * math.log(a / b) for a, b in zip(p, (0.8, 0.2))),
+                              "forward": sum(b * math.log(b / a) for a, b in zip(p, (0.8, 0.2)))}.items():
+        kept = logprobs._chunk_logprobs(head, z, torch.tensor([0]), 1.0, [], top_k=1, teacher=(teacher_head, q),
+                                        divergence=divergence)
+        assert kept[0, 1].item() == 0 and kept[0, 2].item() == pytest.approx(value, abs=1e-6)
+
+
+def textbook(head, hidden, teacher_head, teacher_hidden, temperature, divergence):
+    """The divergence by its formula on the whole [N, V] at once."""
+    log_p = (head(hidden).float() / temperature).log_softmax(-1)
+    log_q = (teacher_head(teacher_hidden).float() / temperature).log_softmax(-1).detach()
+    if divergence == "reverse":
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, CHUNK_TOKENS])
+@pytest.mark.parametrize("divergence", ["reverse", "forward"])
+def test_the_chunked_divergence_is_the_full_softmaxs_values_and_gradients(models, chunk, divergence):
+    """Over chunks of 1, 3 and the default 1,024 tokens, each recomputed in the backward, with the teacher's hidden
+    states of another size cut alike: the textbook's values and gradients (hidden states and head), at temperature
+    0.7 with top-k / top-p on (the divergence is over the whole vocabulary); the teacher's head gets no gradient."""
+    student, teacher = models
+    head, teacher_head = student.get_output_embeddings(), teacher.get_output_embeddings()
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, student.config.hidden_size, generator=g)
+    teacher_hidden = torch.randn(10, teacher.config.hidden_size, generator=g)
+    targets = torch.randint(0, student.config.vocab_size, (10,), generator=g)
+    weights = torch.randn(10, generator=g)
+
+    def run(fn):
+        h = hidden.clone().requires_grad_()
+        student.zero_grad(set_to_none=True)
+        teacher.zero_grad(set_to_none=True)
+        values = fn(h)
+        (values * weights).sum().backward()
+        assert teacher_head.weight.grad is None
+        return values.detach(), h.grad, head.weight.grad.clone()
+
+    chunked = run(lambda h: logprobs.head_logprobs(head, h, targets, 0.7, [], chunk, 5, 0.8, entropy=True,
+                                                   teacher=(teacher_head, teacher_hidden),
+                                                   divergence=divergence)[:, 2])
+    full = run(lambda h: textbook(head, h, teacher_head, teacher_hidden, 0.7, divergence))
+    for a, b in zip(chunked, full):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert chunked[0].min() > 0
+
+
+@pytest.mark.parametrize("divergence", ["reverse", "forward"])
+def test_packed_and_padded_divergences_agree_and_a_teacher_equal_to_the_student_gives_zero(models, divergence):
+    """Through both whole models, the teacher's forward on the same micro-batch: each response token's divergence is
+    the textbook's on the two models' full logits, packed and padded alike, with the same gradients; the log-probs
+    beside it are those asked for alone. The student as its own teacher: 0 at every token, and no gradient."""
+    student, teacher = models
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    mask = batch.response_mask
+    with torch.no_grad():
+        packed = response_logprobs(student, batch, 0.7, True, entropy=True, teacher=teacher, divergence=divergence)
+        padded = response_logprobs(student, batch, 0.7, False, entropy=True, teacher=teacher, divergence=divergence)
+        alone = response_logprobs(student, batch, 0.7, True)
+        expected = torch.zeros_like(mask)
+        for b, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+            ids, at = torch.tensor([p + r]), slice(len(p) - 1, len(p) + len(r) - 1)
+            expected[b, : len(r)] = textbook(torch.nn.Identity(), student(ids).logits[0, at], torch.nn.Identity(),
+                                             teacher(ids).logits[0, at], 0.7, divergence)
+    torch.testing.assert_close(packed[2], expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded[2], expected, atol=1e-5, rtol=0)
+    assert torch.equal(packed[0], alone) and packed[2][mask > 0].min() > 0
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3))
+    assert_same_gradients(
+        gradients(student, lambda: response_logprobs(student, batch, 0.7, False, entropy=True, teacher=teacher,
+                                                     divergence=divergence)[2], weights),
+        gradients(student, lambda: response_logprobs(student, batch, 0.7, True, entropy=True, teacher=teacher,
+                                                     divergence=divergence)[2], weights))
+    itself = response_logprobs(student, batch, 0.7, True, entropy=True, teacher=student, divergence=divergence)[2]
+    assert itself.abs().max() < 1e-6
+    student.zero_grad(set_to_none=True)
+    (itself * weights).sum().backward()
+    assert max(p.grad.abs().max().item() for p in student.parameters() if p.grad is not None) < 1e-6
+
+
+@pytest.mark.parametrize("divergence", ["reverse", "forward"])
+def test_the_divergence_enters_the_update_beside_the_outcome_advantage(models, world_of_one, divergence):
+    """The update's gradient with a teacher in the loss against autograd of the loss written out here: token-mean of
+    -A * r + D(student, teacher), A the outcome advantages (--distill.reward-weight's share), D the divergence by its
+    textbook formula; the metric is D's token mean. With the sampled signal the teacher stays out of the loss."""
+    from grpo import Config, backward_mini_batch
+
+    student, teacher = models
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    mask = batch.response_mask
+    advantages = torch.randn(5, 1, generator=torch.Generator().manual_seed(5)) * mask
+    with torch.no_grad():
+        old = response_logprobs(student, batch, 1.0)
+    cfg = Config()
+    cfg.algorithm.use_kl_loss, cfg.distill.kl = False, divergence
+    micro = replace(batch, old_logprobs=old, advantages=advantages)
+    student.zero_grad(set_to_none=True)
+    sums, _ = backward_mini_batch(student, micro, cfg, teacher=teacher)
+    update = {name: p.grad.clone() for name, p in student.named_parameters()}
+
+    def written_out():
+        logprobs_, _, divergences = response_logprobs(student, batch, 1.0, entropy=True, teacher=teacher,
+                                                      divergence=divergence)
+        return ((-advantages * torch.exp(logprobs_ - old) + divergences) * mask).sum() / mask.sum()
+
+    student.zero_grad(set_to_none=True)
+    loss = written_out()
+    loss.backward()
+    assert_same_gradients(update, {name: p.grad.clone() for name, p in student.named_parameters()})
+    with torch.no_grad():
+        divergences = response_logprobs(student, batch, 1.0, entropy=True, teacher=teacher, divergence=divergence)[2]
+    assert (sums[f"distill/{divergence}_kl"] / sums["tokens"]).item() == pytest.approx(
+        ((divergences * mask).sum() / mask.sum()).item(), rel=1e-5)
+    cfg.distill.kl = "sampled"
+    assert "distill/sampled_kl" not in backward_mini_batch(student, micro, cfg, teacher=teacher)[0]
 
 DISTILL = ["--algorithm.adv-estimator", "distill", "--trainer.total-steps", "2", "--trainer.val-freq", "0",
            "--trainer.no-val-before-train", *FAST, *SIGNAL]
@@ -17,25 +181,36 @@ DISTILL = ["--algorithm.adv-estimator", "distill", "--trainer.total-steps", "2",
 
 @launched_run()
 def distill_self(folder):
-    """The student's own checkpoint as its teacher, no KL, no weight decay."""
-    return ["--distill.teacher", "tiny:qwen2", "--trainer.output-dir", folder, "--algorithm.no-use-kl-loss",
+    """The student's own checkpoint as its teacher, no KL, no weight decay: its sampled signal, then its reverse KL
+    over the whole vocabulary in the loss."""
+    args = ["--distill.teacher", "tiny:qwen2", "--trainer.output-dir", folder, "--algorithm.no-use-kl-loss",
             "--actor.weight-decay", "0", *DISTILL]
+    return [args, [*args, "--distill.kl", "reverse", "--trainer.experiment-name", "reverse"]]
 
 
 @uses_runs("distill_self")
 @pytest.mark.slow
-def test_a_teacher_equal_to_the_student_teaches_nothing(runs):
-    """Its log-probs are the student's to the bit (the same model, the same passes): every advantage 0, so no loss,
-    no gradient, and the trained weights are the initial ones, while the reward was not flat."""
+@pytest.mark.parametrize("experiment", ["tiny-qwen2_toy", "reverse"])
+def test_a_teacher_equal_to_the_student_teaches_nothing(runs, experiment):
+    """Its log-probs are the student's to the bit (the same model, the same passes), while the reward was not flat.
+    Sampled: every advantage 0, so no loss, no gradient, and the trained weights are the initial ones. Reverse (its
+    forward beside the student's in the update, no pass of its own): at step 1 every token's reverse KL over the
+    whole vocabulary is 0, and its gradient is rounding's alone, p - p sum(p) with sum(p) 1 to fp32's last bits (a
+    teacher of other weights gives ~1: test_sequence_parallel.py), which AdamW's normalisation still turns into
+    steps of the learning rate's size: at step 2 the student is that far from its teacher."""
     run = runs["distill_self"]
-    metrics = run.metrics("tiny-qwen2_toy")
+    metrics = run.metrics(experiment)
     assert [m["step"] for m in metrics] == [1, 2]
-    for m in metrics:
-        assert m["distill/reverse_kl"] == 0 and m["actor/pg_loss"] == 0 and m["actor/grad_norm"] == 0
-        assert "timing/teacher_logprob" in m
+    assert all(m["actor/pg_loss"] == 0 and ("timing/teacher_logprob" in m) == (experiment == "tiny-qwen2_toy")
+               for m in metrics)
     assert any(m["train/reward_overall_std"] > 0 for m in metrics)
+    if experiment == "reverse":
+        assert metrics[0]["distill/reverse_kl"] == 0 and metrics[0]["actor/grad_norm"] < 1e-6
+        assert 0 < metrics[1]["distill/reverse_kl"] < 1e-4
+        return
+    assert all(m["distill/reverse_kl"] == 0 and m["actor/grad_norm"] == 0 for m in metrics)
     initial = load_file(run.folder / "models" / "tiny-qwen2" / "model.safetensors")
-    final = load_file(run.folder / "tiny-qwen2_toy" / "final" / "model.safetensors")
+    final = load_file(run.folder / experiment / "final" / "model.safetensors")
     assert all(torch.equal(initial[k], final[k]) for k in initial)
 
 

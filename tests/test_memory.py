@@ -266,7 +266,7 @@ def test_a_distillation_teacher_counts_in_every_phase_as_the_reward_model_does(t
     """--distill.teacher of T parameters (a 7B teacher, a 1.5B student): 2T/W in each phase; the trainer's flags give
     its count (check_run_memory reads the teacher's config)."""
     from grpo import Config
-    from plumbing.memory import TEACHER, check_run_memory
+    from plumbing.memory import TEACHER, TEACHER_IN_LOSS, check_run_memory
 
     T, W = count_parameters(QWEN_7B), 8
     e = estimate_memory(QWEN_1_5B, world_size=W, gpu_bytes=GPU_80GB, gradient_checkpointing=True,
@@ -277,7 +277,27 @@ def test_a_distillation_teacher_counts_in_every_phase_as_the_reward_model_does(t
     cfg = Config()
     cfg.algorithm.adv_estimator, cfg.distill.teacher = "distill", str(tmp_path / "teacher")
     run = check_run_memory(cfg, str(tmp_path / "student"), world_size=W, gpu_bytes=GPU_80GB)
-    assert run.training[TEACHER] == 2 * T // W
+    assert run.training[TEACHER] == 2 * T // W and TEACHER_IN_LOSS not in run.training
+
+
+def test_a_teachers_divergence_in_the_loss_adds_its_root_hidden_states_and_logits_to_training(tmp_path):
+    """--distill.kl forward (or reverse): the 7B teacher's forward runs in each micro-batch of the update and its head
+    in the student's chunks: its untied root gathered in bf16, 2 x (2 x 152,064 x 3,584 + 3,584) = 2.18e9 bytes, its
+    hidden states of the 8,192 tokens, 8,192 x 3,584 x 2, and 16 bytes a logit of one 1,024-token chunk of the
+    student's vocabulary; training only."""
+    from grpo import Config
+    from plumbing.memory import TEACHER_IN_LOSS, check_run_memory
+
+    QWEN_7B.save_pretrained(tmp_path / "teacher")
+    QWEN_1_5B.save_pretrained(tmp_path / "student")
+    cfg = Config()
+    cfg.algorithm.adv_estimator, cfg.distill.teacher, cfg.distill.kl = "distill", str(tmp_path / "teacher"), "forward"
+    cfg.actor.micro_batch_size, cfg.data.max_prompt_length, cfg.rollout.max_response_length = 4, 1024, 1024
+    cfg.trainer.rollout_batch_size = cfg.trainer.global_batch_size = 64
+    run = check_run_memory(cfg, str(tmp_path / "student"), world_size=8, gpu_bytes=GPU_80GB)
+    root = 2 * 152064 * 3584 + 3584
+    assert run.training[TEACHER_IN_LOSS] == 2 * root + 8192 * 3584 * 2 + 1024 * 151936 * 16
+    assert TEACHER_IN_LOSS not in run.rollout and TEACHER_IN_LOSS not in run.sync
 
 
 def test_1_5b_on_eight_gpus_is_accepted():

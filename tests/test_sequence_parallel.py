@@ -125,7 +125,9 @@ def assert_same_training(run):
 def split_text_rows(folder):
     return split_and_whole(folder, [*SIGNAL, "--actor.max-tokens-per-micro-batch", "260",  # 2 micro-batches
                                     "--reward.model", "tiny:qwen2_rm",
-                                    "--algorithm.rollout-correction", "sequence_mask"])
+                                    "--algorithm.rollout-correction", "sequence_mask",
+                                    "--algorithm.adv-estimator", "distill", "--distill.teacher", "tiny:qwen3",
+                                    "--distill.kl", "forward", "--distill.reward-weight", "1"])
 
 
 @uses_runs("split_text_rows")
@@ -133,10 +135,13 @@ def split_text_rows(folder):
 def test_two_ranks_with_split_rows_train_as_two_ranks_without(runs):
     """`torchrun --nproc_per_node 2 grpo.py --actor.sequence-parallel-size 2` (one group of 2: both ranks train on
     both ranks' rollouts, each on half of every row) against the same job with 2 data-parallel ranks, a reward
-    model scoring beside the function (each rank's own rollouts, before they are shared: the same scores) and
-    sequence-level masked importance weights (computed on the whole rows: the same weights)."""
+    model scoring beside the function (each rank's own rollouts, before they are shared: the same scores),
+    sequence-level masked importance weights (computed on the whole rows: the same weights) and a distillation
+    teacher's forward KL in the loss beside GRPO's advantage (the teacher's rows cut as the student's, its head on
+    the tokens of each rank's slice)."""
     assert_same_training(runs["split_text_rows"])
-    assert all("train/reward_model" in step for step in runs["split_text_rows"].metrics("split"))
+    split = runs["split_text_rows"].metrics("split")
+    assert all("train/reward_model" in step and step["distill/forward_kl"] > 0.01 for step in split)
 
 
 @launched_run(nproc=4)
