@@ -4,7 +4,7 @@ trainer's update against a bare FSDP2 loop, padding-free against padded, the log
     .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --group-size 8 --max-tokens 512
     .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video, rewards, sp,
-                                                           # correction, curves or env
+                                                           # correction, curves, env or distill
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -46,10 +46,12 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   docs/rollout_correction.png.
 - env (`--only env`, about 3 minutes): the built-in environment task's whole job (`grpo.py toy_env`): its climb, its
   curves (docs/toy_env.png), the time per phase and the episodes' numbers.
+- distill (`--only distill`, about 9 minutes): on-policy distillation against RL from scratch. The default job (RL
+  from random weights), then its final model as the teacher of a fresh random student with each signal (`grpo.py
+  toy_distill --distill.kl forward / reverse / sampled`): a table of their climbs and the figure docs/distillation.png.
 """
 
 import argparse
-import io
 import json
 import os
 import subprocess
@@ -618,12 +620,18 @@ def correction_tables(args) -> None:
         print(f"| {mode} | " + " | ".join(f"{sum(m.get(k, 0) for m in lines) / len(lines):.2e}" for k in keys) + " |")
 
 
-def correction_curves(args) -> None:
-    import matplotlib
+def five_step_means(values: list[float]) -> list[float]:
+    """Each value's mean with the (up to) 4 before it."""
+    return [sum(values[max(0, i - 4): i + 1]) / len(values[max(0, i - 4): i + 1]) for i in range(len(values))]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from PIL import Image
+
+def first_step_at(lines: list[dict], smooth: list[float], level: float = 0.8):
+    """The first step whose 5-step mean reward reaches `level` ("-": none)."""
+    return next((m["step"] for m, r in zip(lines, smooth) if r >= level), "-")
+
+
+def correction_curves(args) -> None:
+    from scripts.plot import plt, save_png  # pyplot on the Agg backend (no display)
 
     stale = ("--rollout.staleness", "1")
     runs = [("in sync (the default job)", ()), ("a step behind, no correction", stale),
@@ -638,8 +646,8 @@ def correction_curves(args) -> None:
     figure, (reward, gap) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
     for name, lines in results.items():
         rewards = [m["train/reward_overall"] for m in lines]
-        smooth = [sum(rewards[max(0, i - 4): i + 1]) / len(rewards[max(0, i - 4): i + 1]) for i in range(len(rewards))]
-        first = next((m["step"] for m, r in zip(lines, smooth) if r >= 0.8), "-")
+        smooth = five_step_means(rewards)
+        first = first_step_at(lines, smooth)
         keys = ("rollout/logprob_diff_mean", "rollout/kl_engine_trainer", "rollout/correction_masked_sequences")
         mean = {k: sum(m.get(k, 0) for m in lines[1:]) / (len(lines) - 1) for k in keys}
         print(f"| {name} | {rewards[0]:.3f} -> {sum(rewards[-5:]) / 5:.3f} | {first} | "
@@ -652,9 +660,7 @@ def correction_curves(args) -> None:
     gap.set(title="engine vs trainer log-prob gap", xlabel="step", yscale="log")
     reward.legend(fontsize=8)
     figure.tight_layout()
-    png = io.BytesIO()
-    figure.savefig(png, format="png")
-    Image.open(png).convert("RGB").quantize(64).save(ROOT / "docs" / "rollout_correction.png", optimize=True)
+    save_png(figure, ROOT / "docs" / "rollout_correction.png")
 
 
 def env_curves(args) -> None:
@@ -672,8 +678,7 @@ def env_curves(args) -> None:
         plot(Path(tmp) / "toy_env", ROOT / "docs" / "toy_env.png")
     steps = [m for m in lines if m["step"] > 0]
     rewards = [m["train/reward_overall"] for m in steps]
-    smooth = [sum(rewards[max(0, i - 4): i + 1]) / len(rewards[max(0, i - 4): i + 1]) for i in range(len(rewards))]
-    first = next((m["step"] for m, r in zip(steps, smooth) if r >= 0.8), "-")
+    first = first_step_at(steps, five_step_means(rewards))
     validations = ", ".join(f"{m['val/reward_overall']:.2f} (step {m['step']})" for m in lines
                             if "val/reward_overall" in m)
     print(f"\nThe built-in environment task (`torchrun --nproc_per_node 2 grpo.py toy_env`, {len(steps)} steps, the "
@@ -685,10 +690,56 @@ def env_curves(args) -> None:
         print(f"| {key} | {sum(m[key] for m in steps[1:]) / len(steps[1:]):.4g} |")
 
 
+def distill_curves(args) -> None:
+    """On-policy distillation against RL from scratch on the built-in task: the default job (120 steps, GRPO from
+    random weights), whose final model then teaches a fresh random student (the same tiny Qwen2, no reward) for 80
+    steps with each signal (`grpo.py toy_distill --distill.kl ...`); a table and the figure docs/distillation.png."""
+    from scripts.plot import plt, save_png  # pyplot on the Agg backend (no display)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        def job(preset: str, name: str, flags: tuple = ()) -> tuple[list[dict], float]:
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                            "29534", "grpo.py", preset, *flags, "--trainer.output-dir", tmp,
+                            "--trainer.experiment-name", name, "--trainer.save-freq", "0"],
+                           check=True, cwd=ROOT, capture_output=not args.verbose)
+            lines = [json.loads(line) for line in (Path(tmp) / name / "metrics.jsonl").read_text().splitlines()]
+            return lines, time.perf_counter() - start
+
+        runs = {"RL from scratch (GRPO, the default job)": job("toy", "rl")}
+        teacher = ("--distill.teacher", str(Path(tmp) / "rl" / "final"), "--trainer.total-steps", "80")
+        for kl, what in (("forward", "forward KL, whole vocabulary"), ("reverse", "reverse KL, whole vocabulary"),
+                         ("sampled", "sampled token's reverse KL")):
+            runs[f"distillation: {what}"] = job("toy_distill", kl, (*teacher, "--distill.kl", kl))
+    print("\nOn-policy distillation from the default job's final model (the teacher) into a fresh random student, "
+          "against RL from scratch (the default job itself):\n\n| run | train reward, step 1 -> mean of the last 5 | "
+          "first step its 5-step mean >= 0.8 | reward at step 40, 80 (5-step mean) | validations (step) | KL to the "
+          "teacher, first -> last | timing/update, timing/step (mean, s) | whole run |\n"
+          "|---|---|---|---|---|---|---|---|")
+    figure, axis = plt.subplots(figsize=(6, 4), dpi=100)
+    for name, (lines, seconds) in runs.items():
+        steps = [m for m in lines if m["step"] > 0]
+        smooth = five_step_means([m["train/reward_overall"] for m in steps])
+        key = next((k for k in steps[0] if k.startswith("distill/")), None)
+        kl = f"{steps[0][key]:.2f} -> {steps[-1][key]:.3f} ({key})" if key else "-"
+        validations = ", ".join(f"{m['val/reward_overall']:.2f} ({m['step']})" for m in lines
+                                if "val/reward_overall" in m and m["step"] % 20 == 0)
+        update, step = (sum(m[f"timing/{k}"] for m in steps[1:]) / len(steps[1:]) for k in ("update", "step"))
+        print(f"| {name} | {steps[0]['train/reward_overall']:.3f} -> {smooth[-1]:.3f} | {first_step_at(steps, smooth)} "
+              f"| {smooth[39]:.2f}, {smooth[79]:.2f} | {validations} | {kl} | {update:.2f}, {step:.2f} "
+              f"| {seconds:.0f} s |")
+        axis.plot([m["step"] for m in steps], smooth, label=name)
+    axis.set(title="a fresh student's train reward (mean of 5 steps)", xlabel="step", ylim=(0, 1))
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    save_png(figure, ROOT / "docs" / "distillation.png")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video", "rewards", "sp", "correction",
-                                           "curves", "env"],
+                                           "curves", "env", "distill"],
                         help="one part of the benchmark")
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
@@ -731,6 +782,8 @@ def main():
         correction_curves(args)
     if args.only in (None, "env"):
         env_curves(args)
+    if args.only in (None, "distill"):
+        distill_curves(args)
 
 
 if __name__ == "__main__":

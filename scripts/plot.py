@@ -91,14 +91,19 @@ def main(run_dir: Annotated[Path, tyro.conf.Positional], out: Path | None = None
     axes[1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # shared by all four; no step 2.5 on short runs
     fig.suptitle(run_dir.resolve().name)
     fig.tight_layout()
-    out = out or run_dir / "curves.png"
-    png = io.BytesIO()
-    fig.savefig(png, format="png")  # no bbox_inches="tight": the PNG is exactly FIGSIZE * DPI pixels
-    plt.close(fig)
-    # 64 colours (pillow comes with matplotlib): noisy, antialiased curves take a fraction of their full-colour
-    # size (docs/trackers-and-metrics.md)
-    Image.open(png).convert("RGB").quantize(64).save(out, format="png", optimize=True)
+    out = save_png(fig, out or run_dir / "curves.png")
     print(out)
+    return out
+
+
+def save_png(fig, out: Path) -> Path:
+    """The figure as a PNG of 64 colours (pillow comes with matplotlib): noisy, antialiased curves take a fraction of
+    their full-colour size (docs/trackers-and-metrics.md); no bbox_inches="tight": the PNG is exactly the figure's
+    size x DPI pixels."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    plt.close(fig)
+    Image.open(png).convert("RGB").quantize(64).save(out, format="png", optimize=True)
     return out
 
 
