@@ -13,7 +13,9 @@ Parts (one line each on the console, all figures in OUT/gpu_check.json):
 3. job: the default job for 20 steps with `--rollout.engine hf` (NCCL, bf16): reward, engine gap, step time.
 4. update: one `grpo.update_policy` of a Qwen2.5-1.5B-shaped random model (64 sequences of 1,024 tokens):
    tokens/s, peak memory and MFU, counting 6 x (matmul parameters) + 12 x layers x hidden x sequence length
-   FLOPs per token (PaLM, appendix B) against the bf16 dense peak (`--peak-tflops`, H100/H200: 989).
+   FLOPs per token (PaLM, appendix B) against the bf16 dense peak (`--peak-tflops`, H100/H200: 989); then the
+   same update with a frozen bf16 teacher of the same shape whose forward KL is in the loss (`--distill.kl
+   forward`: its forward in each micro-batch, its head in the student's chunks): seconds and peak memory.
 5. paths: on a Qwen2.5-0.5B shape, under the process group a --actor.fsdp-cpu-offload run gets (NCCL, and gloo
    for host tensors): which attention implementation runs; packed against padded log-probs (bf16 on GPU); device
    memory before and after a no-grad pass with and without resharding the root (the reference's pass); two updates
@@ -128,21 +130,33 @@ def part_update(args) -> dict:
     batch.old_logprobs = batched_logprobs(actor, batch, 1.0, cfg.actor.micro_batch_size)
     batch.advantages = torch.randn(prompts * n, 1, generator=generator).to(device) * batch.response_mask
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6)
-    update_policy(actor, optimizer, batch, cfg)  # warm-up: AdamW's states, kernel choices
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    update_policy(actor, optimizer, batch, cfg)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+
+    def timed_update(teacher=None) -> tuple[float, dict]:
+        """A warm-up update (AdamW's states, kernel choices), then a timed one: seconds, peak memory."""
+        update_policy(actor, optimizer, batch, cfg, teacher=teacher)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        update_policy(actor, optimizer, batch, cfg, teacher=teacher)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, {key.removeprefix("perf/"): value
+                                             for key, value in peak_memory(device).items()}
+
+    seconds, memory = timed_update()
+    # on-policy distillation's forward KL: a frozen teacher (the same shape, bf16 on GPU) in every micro-batch
+    teacher = load_sharded_model(args.model, device, trainable=False,
+                                 dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg.algorithm.adv_estimator, cfg.distill.teacher, cfg.distill.kl = "distill", args.model, "forward"
+    distill_seconds, distill_memory = timed_update(teacher)
     c, tokens = actor.config, batch.input_ids.numel()
     matmul_parameters = count_parameters(c) - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
     flops = tokens * (6 * matmul_parameters + 12 * c.num_hidden_layers * c.hidden_size * (prompt_len + response_len))
     return {"parameters": count_parameters(c), "tokens": tokens, "update_s": seconds, "tokens_per_s": tokens / seconds,
-            **{key.removeprefix("perf/"): value for key, value in peak_memory(device).items()},
-            "mfu": flops / seconds / (args.peak_tflops * 1e12) if device.type == "cuda" else None}
+            **memory, "mfu": flops / seconds / (args.peak_tflops * 1e12) if device.type == "cuda" else None,
+            "distill_forward_kl_update_s": distill_seconds,
+            **{f"distill_forward_kl_{key}": value for key, value in distill_memory.items()}}
 
 
 def part_paths(args) -> dict:

@@ -21,6 +21,7 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     assert report["job"]["steps"] == 2 and report["job"]["engine_gap_max"] < ENGINE_GAP
     update = report["update"]
     assert update["tokens"] == 8 * 32 and update["tokens_per_s"] > 0 and update["mfu"] is None
+    assert update["distill_forward_kl_update_s"] > 0 and "distill_forward_kl_peak_memory_gib" in update
     paths = report["paths"]
     assert paths["packed_vs_padded_max"] < 1e-4 and paths["attention"] == "packed_sdpa"
     attention = paths["attention_paths"]  # on a CPU only packed_sdpa runs; the others say why not
