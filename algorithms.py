@@ -35,7 +35,6 @@ class DistillConfig:
     distribution in the head's chunks, its forward in the update's micro-batches)."""
 
 
-
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"

@@ -391,13 +391,17 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
     if not entropy and teacher is None:
         return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [c]
     logp = logits - logits.logsumexp(-1, keepdim=True)  # [c, V], -inf off the support
+    p = logp.exp()
     columns = [logp.gather(-1, targets[:, None]).squeeze(-1),  # [c] each
-               -(logp.exp() * logp.where(logp.isfinite(), 0)).sum(-1)]
+               -(p * logp.where(logp.isfinite(), 0)).sum(-1)]
     if teacher is not None:
-        with torch.no_grad():
-            logq = _logits(*teacher, temperature, placeholders).log_softmax(-1)  # [c, V]
-        logp = whole.log_softmax(-1)
-        columns.append((logp.exp() * (logp - logq)).sum(-1) if divergence == "reverse"
+        with torch.no_grad():  # as the student's below, so that an equal teacher gives exactly 0
+            q_logits = _logits(*teacher, temperature, placeholders)  # [c, V]
+            logq = q_logits - q_logits.logsumexp(-1, keepdim=True)
+        if logits is not whole:  # the whole vocabulary's distribution, not what sampling kept
+            logp = whole - whole.logsumexp(-1, keepdim=True)
+            p = logp.exp()
+        columns.append((p * (logp - logq)).sum(-1) if divergence == "reverse"
                        else (logq.exp() * (logq - logp)).sum(-1))
     return torch.stack(columns, -1)  # [c, 2 or 3]
 
