@@ -168,9 +168,14 @@ class RunProgress:
 
 
 def step_line(step: int, metrics: dict[str, float]) -> str:
+    """A step's line on the console; with a distillation teacher its KL too (distill/reverse_kl or forward_kl)."""
+    teacher = next((key for key in metrics if key.startswith("distill/")), None)
     return (f"step {step:>4} | reward {metrics['train/reward_overall']:.3f} "
             f"| len {metrics['train/response_length_mean']:.1f} "
-            f"| kl {metrics['actor/kl_ref']:.4f} | grad {metrics['actor/grad_norm']:.3f} "
+            f"| kl {metrics['actor/kl_ref']:.4f} "
+            + (f"| {teacher.removeprefix('distill/').replace('_', ' ')} to the teacher {metrics[teacher]:.4f} "
+               if teacher else "")
+            + f"| grad {metrics['actor/grad_norm']:.3f} "
             f"| engine gap {metrics['rollout/logprob_diff_mean']:.1e} | {metrics['timing/step']:.2f}s"
             + (f" | val {metrics['val/reward_overall']:.3f}" if "val/reward_overall" in metrics else "")
             + (f" | {metrics['actor/skipped_steps']:.0f} optimizer step(s) skipped: non-finite gradient"

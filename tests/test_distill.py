@@ -248,3 +248,18 @@ def test_the_toy_preset_learns_from_the_default_jobs_final_model():
     default = grpo.parse_config([])
     assert cfg.distill.teacher == f"{default.trainer.output_dir}/{default.trainer.experiment_name}/final"
     assert cfg.actor.model_path == default.actor.model_path and cfg.algorithm.adv_estimator == "distill"
+
+
+def test_the_console_line_shows_the_kl_to_the_teacher():
+    """The step line reads the teacher's KL where a run has one (the reference's `kl` is 0 without a KL loss), and
+    is the plain line without a teacher."""
+    from plumbing.console import step_line
+
+    metrics = {"train/reward_overall": 0.5, "train/response_length_mean": 2.0, "actor/kl_ref": 0.0,
+               "actor/grad_norm": 1.25, "rollout/logprob_diff_mean": 2e-7, "timing/step": 0.7,
+               "actor/skipped_steps": 0}
+    assert step_line(3, metrics) == ("step    3 | reward 0.500 | len 2.0 | kl 0.0000 | grad 1.250 | engine gap 2.0e-07 "
+                                     "| 0.70s")
+    assert step_line(3, {**metrics, "distill/forward_kl": 0.029}) == (
+        "step    3 | reward 0.500 | len 2.0 | kl 0.0000 | forward kl to the teacher 0.0290 | grad 1.250 "
+        "| engine gap 2.0e-07 | 0.70s")
