@@ -417,9 +417,9 @@ def check_config(cfg: Config, world_size: int) -> None:
 @dataclass
 class Run:
     """Where a launch stands once its flags are checked: its run folder, its place among the ranks,
-    its device and sequence-parallel group, the console, the job (model and data: a checkpoint of
-    another job is refused), and the checkpoint it resumes from (None: a fresh run) with its first
-    step."""
+    its device and sequence-parallel group, the console, the job (model, data, environment: a
+    checkpoint of another job is refused), and the checkpoint it resumes from (None: a fresh run)
+    with its first step."""
 
     folder: Path
     rank: int
@@ -464,7 +464,7 @@ def open_run(cfg: Config) -> Run | None:
     torch.manual_seed(cfg.trainer.seed)
     console = Console(quiet=rank != 0, soft_wrap=True)
     # a checkpoint of another job is refused
-    job = {"model": cfg.actor.model_path, "data": cfg.data.train_files}
+    job = {"model": cfg.actor.model_path, "data": cfg.data.train_files, "env": cfg.rollout.env}
     # one launch trains in a run folder at a time (an evaluation only reads it)
     if not cfg.trainer.val_only:
         hold_run_folder(folder)
@@ -758,7 +758,8 @@ def parse_config(argv: list[str]) -> Config:
         f"{', '.join(ADVANTAGE_ESTIMATORS)}. Policy losses: {', '.join(POLICY_LOSSES)}.")
     if not cfg.trainer.experiment_name:
         data_path = parse_spec(cfg.data.train_files)[0]
-        cfg.trainer.experiment_name = preset or default_run_name(cfg.actor.model_path, data_path)
+        cfg.trainer.experiment_name = preset or default_run_name(cfg.actor.model_path, data_path,
+                                                                 cfg.rollout.env)
     return cfg
 
 

@@ -87,9 +87,9 @@ def find_resume_point(run_dir: Path, resume: str, job: dict, config: dict | None
     resume: auto (the latest checkpoint of run_dir; fresh if it has none), never, best, or a checkpoint path.
     A run folder only ever holds one history: a fresh start into a used folder, or a resume from another run's
     checkpoint into it, is refused with the flags that do it in a new folder; so is a checkpoint of another
-    model or dataset than `job` ({"model": ..., "data": ...}) names, and one the launch's `config` (its
-    dataclasses.asdict) cannot load (check_state_fits). Resuming from an earlier checkpoint of the same run rewinds
-    it (prepare_run_folder).
+    model, dataset or environment than `job` ({"model": ..., "data": ..., "env": ...}) names, and one the
+    launch's `config` (its dataclasses.asdict) cannot load (check_state_fits). Resuming from an earlier
+    checkpoint of the same run rewinds it (prepare_run_folder).
     """
     run_dir = Path(run_dir)
     checkpoints = complete_checkpoints(run_dir)
@@ -118,9 +118,9 @@ def find_resume_point(run_dir: Path, resume: str, job: dict, config: dict | None
     check_state_fits(start, config)
     saved = saved_job(start)
     if saved is not None and saved != job:
-        raise SystemExit(f"{start} is a checkpoint of model {saved['model']} on data {saved['data']}, but this launch "
-                         f"trains model {job['model']} on data {job['data']}: choose another --trainer.experiment-name "
-                         "for a new run, or give the checkpoint's model and data to resume it")
+        raise SystemExit(f"{start} is a checkpoint of {describe_job(saved)}, but this launch trains "
+                         f"{describe_job(job)}: choose another --trainer.experiment-name for a new run, or give the "
+                         "checkpoint's model, data and environment to resume it")
     return start
 
 
@@ -146,15 +146,24 @@ def check_state_fits(checkpoint: Path, config: dict | None) -> None:
 
 
 def saved_job(checkpoint: Path) -> dict | None:
-    """{"model": ..., "data": ...} a checkpoint was trained on: from its trainer state, or (checkpoints saved before
-    it recorded them) from its run's config.json; None if neither says."""
-    state, config = read_state(checkpoint), Path(checkpoint).parent.parent / "config.json"
+    """{"model": ..., "data": ..., "env": ...} a checkpoint was trained on: from its trainer state, or (checkpoints
+    saved before it recorded them) from its run's config.json; None if neither says. A job without an environment
+    has env "" (so has every checkpoint saved before the environment was part of the job and whose run's config
+    does not name one)."""
+    state, config_file = read_state(checkpoint), Path(checkpoint).parent.parent / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    env = state.get("env", config.get("rollout", {}).get("env", ""))
     if "model" in state:
-        return {"model": state["model"], "data": state["data"]}
-    if config.is_file():
-        config = json.loads(config.read_text())
-        return {"model": config["actor"]["model_path"], "data": config["data"]["train_files"]}
+        return {"model": state["model"], "data": state["data"], "env": env}
+    if config:
+        return {"model": config["actor"]["model_path"], "data": config["data"]["train_files"], "env": env}
     return None
+
+
+def describe_job(job: dict) -> str:
+    """`model M on data D` (`, episodes of environment E` where the job has one): the words of a mismatch."""
+    return f"model {job['model']} on data {job['data']}" + (f", episodes of --rollout.env {job['env']}"
+                                                            if job.get("env") else "")
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, *, model_only: bool,

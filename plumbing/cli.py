@@ -38,11 +38,15 @@ def parse_command_line(config_class, argv: list[str], presets_dir: Path, prog: s
     return cfg, preset
 
 
-def default_run_name(model_path: str, data_path: str) -> str:
-    """A run's name without a preset: `<model>_<data>` (tiny-qwen2_toy, Qwen2.5-7B-Instruct_math12k), the same for
-    the same job, so that launching it again resumes it, and another for another model or dataset."""
+def default_run_name(model_path: str, data_path: str, env: str = "") -> str:
+    """A run's name without a preset: `<model>_<data>[_<environment>]` (tiny-qwen2_toy, Qwen2.5-7B-Instruct_math12k,
+    tiny-qwen2_toy_env_Vault), the same for the same job, so that launching it again resumes it, and another for
+    another model, dataset or environment."""
     model = model_path.replace("tiny:", "tiny-").rstrip("/").rsplit("/", 1)[-1]
-    return f"{model}_{Path(data_path.rstrip('/')).stem.replace(':', '-')}"  # reasoning_gym:chain_sum: no colon
+    name = f"{model}_{Path(data_path.rstrip('/')).stem}"
+    if env:  # my_env.py:Game -> my_env_Game, textarena:Wordle-v0 -> textarena_Wordle-v0
+        name += "_" + "_".join(Path(part).stem for part in env.split(":") if part)
+    return name.replace(":", "-")  # reasoning_gym:chain_sum: no colon
 
 
 def override(config, changes: dict, where: str):

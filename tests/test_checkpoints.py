@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch.distributed.fsdp import fully_shard
 
 import plumbing.checkpoints as checkpoints
+from plumbing.cli import default_run_name
 from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, free_port, torchrun
 
 # bf16 AdamW moments, a reward the random model earns, a warm-up spanning the resume point then cosine, and the KL in
@@ -184,7 +185,7 @@ def train_step(model, optimizer):
     optimizer.zero_grad()
 
 
-JOB = {"model": "tiny:qwen2", "data": "toy"}
+JOB = {"model": "tiny:qwen2", "data": "toy", "env": ""}
 
 
 def save(run_dir, step, model, optimizer, score, limit=0, model_only=False, job=JOB):
@@ -272,9 +273,10 @@ def test_a_used_run_folder_is_never_mixed_with_another_run(world_of_one, tmp_pat
 def test_a_checkpoint_of_another_model_or_dataset_is_refused(world_of_one, tmp_path):
     model, optimizer = tiny_model()
     save(tmp_path, 1, model, optimizer, None)
-    for other in ({"model": "tiny:llama", "data": "toy"}, {"model": "tiny:qwen2", "data": "mine.jsonl"}):
+    for other in ({"model": "tiny:llama", "data": "toy", "env": ""}, {"model": "tiny:qwen2", "data": "mine.jsonl",
+                                                                       "env": ""}):
         expected = (f"a checkpoint of model tiny:qwen2 on data toy, but this launch trains model "
-                    f"{other['model']} on data {other['data']}")
+                    f"{other['model']} on data {other['data']}:")
         with pytest.raises(SystemExit, match=expected):
             checkpoints.find_resume_point(tmp_path, "auto", other)
     # a checkpoint saved before they were recorded: its run's config.json says what it trained
@@ -283,6 +285,29 @@ def test_a_checkpoint_of_another_model_or_dataset_is_refused(world_of_one, tmp_p
                                                               "data": {"train_files": "toy"}}))
     with pytest.raises(SystemExit, match="a checkpoint of model tiny:qwen3 on data toy"):
         checkpoints.find_resume_point(tmp_path / "old", "auto", JOB)
+
+
+def test_a_checkpoint_of_another_environment_is_refused(world_of_one, tmp_path):
+    """Another --rollout.env on the same model and data is another job: resuming the first run's folder would train
+    on its checkpoint and replace its final/ (issue 49), so it is refused naming both environments; without a
+    preset the two runs get folders of their own."""
+    model, optimizer = tiny_model()
+    save(tmp_path, 1, model, optimizer, None, job={**JOB, "env": "toy"})
+    assert checkpoints.find_resume_point(tmp_path, "auto", {**JOB, "env": "toy"}).name == "step_000001"
+    for other in ("textarena:Wordle-v0", ""):
+        with pytest.raises(SystemExit, match=r"episodes of --rollout.env toy, but this launch trains model "
+                                             rf"tiny:qwen2 on data toy{', episodes of' if other else ':'}"):
+            checkpoints.find_resume_point(tmp_path, "auto", {**JOB, "env": other})
+    # a checkpoint saved before the environment was part of the job: its run's config.json names it
+    save(tmp_path / "old", 1, model, optimizer, None, job={"model": "tiny:qwen2", "data": "toy"})
+    (tmp_path / "old" / "config.json").write_text(json.dumps({"rollout": {"env": "toy"}}))
+    assert checkpoints.find_resume_point(tmp_path / "old", "auto", {**JOB, "env": "toy"}) is not None
+    with pytest.raises(SystemExit, match="episodes of --rollout.env toy, but"):
+        checkpoints.find_resume_point(tmp_path / "old", "auto", JOB)
+    names = {default_run_name("tiny:qwen2", "toy", env) for env in ("", "toy", "my_env.py:Game", "textarena:Wordle-v0")}
+    assert names == {"tiny-qwen2_toy", "tiny-qwen2_toy_toy", "tiny-qwen2_toy_my_env_Game",
+                     "tiny-qwen2_toy_textarena_Wordle-v0"}
+    assert default_run_name("tiny:qwen2", "reasoning_gym:chain_sum") == "tiny-qwen2_reasoning_gym-chain_sum"
 
 
 def test_resuming_an_earlier_checkpoint_rewinds_the_run(world_of_one, tmp_path):
