@@ -40,7 +40,7 @@ from transformers import AutoConfig
 
 from lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
 from plumbing.attention import attention_implementation, linear_attention_per_sequence
-from plumbing.checkpoints import out_of_space, readable_like_other_files, size_text
+from plumbing.checkpoints import RUN_FILES, out_of_space, readable_like_other_files, size_text
 from plumbing.tiny import model_class
 from vision import family, is_vision_language, keep_vision_tower_in_step
 
@@ -84,8 +84,20 @@ LOGIT_TRANSFORMS = {"final_logit_softcapping": (0,), "logit_scale": (1,), "logit
 
 def check_model_exists(model_path: str, flag: str) -> None:
     """Fail in one line naming `flag` (the flag and its value) on a folder without config.json, a
-    path that does not exist, or a hub id that cannot be found (check_hub_model)."""
+    path that does not exist, a hub id that cannot be found (check_hub_model), or a run or
+    checkpoint folder (a run's config.json is no model's: the line names its final/ model or the
+    merger)."""
     path = Path(model_path).expanduser()
+    merge = f"`python -m scripts.merge {path} OUT` and give OUT"
+    if (path / "trainer_state.json").is_file():
+        raise SystemExit(f"{flag}: a checkpoint folder, not a model; make one with {merge}")
+    if any((path / name).exists() for name in RUN_FILES):  # its config.json is the run's
+        final = path / "final"
+        if (final / "config.json").is_file():
+            raise SystemExit(f"{flag}: a run folder, not a model; its trained model is {final}, "
+                             "give that")
+        raise SystemExit(f"{flag}: a run folder without a final/ model yet; make one from its "
+                         f"latest checkpoint with {merge}")
     if path.is_dir() and not (path / "config.json").is_file():
         raise SystemExit(f"{flag}: the folder has no config.json; give a Hugging Face model folder "
                          "or a hub id")

@@ -29,7 +29,7 @@ import grpo
 import scripts.merge as merge
 from conftest import ROOT, free_port, launch
 from launches import Part, Run, launched_cases, launched_run, uses_runs
-from fsdp_utils import check_model_source
+from fsdp_utils import check_model_exists, check_model_source
 from plumbing.tiny import build_tiny_model
 
 SMALL = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
@@ -425,6 +425,26 @@ def test_a_hub_model_in_the_cache_loads_offline_without_retries(tmp_path, monkey
     assert huggingface_hub.constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
     with pytest.raises(SystemExit, match="exceed the context of someone/tiny"):
         check_model_source("someone/tiny", "someone/tiny", longest_sequence=2000)
+
+
+def test_a_run_or_checkpoint_folder_given_as_a_model_points_at_the_model(tmp_path):
+    """A run folder has a config.json (the run's), so it passed for a model and failed in the tokenizer's
+    construction (issue 49): one line naming the flag and the folder to give instead, its final/ model, or the
+    merger's command where it has none yet or where a checkpoint folder was given."""
+    run = tmp_path / "runs" / "tiny-qwen2_toy"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "trainer_state.json").write_text("{}")
+    (run / "config.json").write_text(json.dumps({"trainer": {}}))
+    flag, where = f"--distill.teacher {run}", re.escape(str(run))
+    with pytest.raises(SystemExit, match=rf"^{re.escape(flag)}: a run folder without a final/ model yet; make one "
+                                         rf"from its latest checkpoint with `python -m scripts.merge {where} OUT`"):
+        check_model_exists(str(run), flag)
+    build_tiny_model("qwen2", run / "final")
+    with pytest.raises(SystemExit, match=rf"a run folder, not a model; its trained model is {where}/final, give that$"):
+        check_model_exists(str(run), flag)
+    check_model_exists(str(run / "final"), flag)
+    with pytest.raises(SystemExit, match=r"a checkpoint folder, not a model; make one with `python -m scripts.merge"):
+        check_model_source(str(run / "checkpoints" / "step_000002"), "runs/x", longest_sequence=64)
 
 
 @pytest.mark.parametrize("setting", [{"final_logit_softcapping": 30.0}, {"logit_scale": 0.0625},
