@@ -47,7 +47,8 @@ class AlgorithmConfig:
     clip_ratio_high: float = 0.3
     """PPO clip: upper bound of the ratio is 1 + clip_ratio_high (EasyR1 default 0.3)."""
     clip_ratio_dual: float = 3.0
-    """Dual clip: for negative advantages the loss is capped at -A * clip_ratio_dual."""
+    """Dual clip of ppo_clip: for negative advantages the loss is capped at -A * clip_ratio_dual
+    (inf: none; GSPO has none, as its paper's and veRL's and TRL's code)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How per-token losses become one number (token-mean: over every valid token of the mini-batch,
     all ranks)."""
@@ -387,7 +388,7 @@ def clipped_ratio_loss(log_ratio, advantages, mask, clip_low: float, clip_high: 
 
     r = exp(clamp(rho, -20, 20)); L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
     where A < 0 also L = min(L, -A * clip_dual) (dual clip bounds the loss of very off-policy
-    tokens).
+    tokens; clip_dual inf: no dual clip).
     Logged, as fractions of valid tokens: clipfrac_higher (A > 0, r above the clip),
     clipfrac_lower (A < 0, r below it), clipfrac_dual (the dual clip binds). The reference's
     pg_clipfrac_higher is our higher + lower (any PPO clip), its pg_clipfrac_lower our dual.
@@ -449,23 +450,24 @@ def ppo_clip_loss(x: LossInputs, cfg: "AlgorithmConfig"):
 @register(POLICY_LOSSES, "gspo")
 def gspo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     """GSPO: the clipped loss with one ratio per sequence, rho[i, t] = s_i (sequence-level
-    clipping).
+    clipping), without PPO's dual clip (--algorithm.clip-ratio-dual does not apply): the paper's,
+    veRL's (compute_policy_loss_gspo) and TRL's GSPO have none.
 
     Example: token log-ratios [0.1, 0.3] -> s = 0.2 for both tokens; the whole sequence is in or
-    out of the clip.
+    out of the clip. With A = -1 and s = ln 4 (r = 4, above the default dual cap of 3): L = 4.
     """
     log_ratio = x.sequence_log_ratio().expand_as(x.logprobs)
     return clipped_ratio_loss(log_ratio, x.advantages, x.mask,
-                              cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
+                              cfg.clip_ratio_low, cfg.clip_ratio_high, clip_dual=math.inf)
 
 
 @register(POLICY_LOSSES, "gspo_token")
 def gspo_token_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     """GSPO-token: rho[i, t] = sg(s_i) + l - sg(l): the value of the sequence ratio, a per-token
-    gradient."""
+    gradient; no dual clip, as gspo."""
     log_ratio = x.sequence_log_ratio().detach() + x.logprobs - x.logprobs.detach()
     return clipped_ratio_loss(log_ratio, x.advantages, x.mask,
-                              cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_dual)
+                              cfg.clip_ratio_low, cfg.clip_ratio_high, clip_dual=math.inf)
 
 
 @register(POLICY_LOSSES, "cispo")
@@ -493,9 +495,11 @@ def sapo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     """SAPO: a soft gate instead of a hard clip, L = -A * (4 / tau) * sigmoid(tau * (r - 1)), tau =
     sapo_tau_pos (1.0) where A >= 0 and sapo_tau_neg (1.05) where A < 0. At r = 1 the gradient is
     PPO's (dL/dr = -A); far from 1 it fades smoothly instead of dropping to zero at a clip boundary.
+    tau is built in the ratio's dtype, so bf16 inputs give a bf16 loss, as every other loss does (a
+    float32 tau would promote the whole loss to float32).
     """
     ratio = torch.exp(x.log_ratio.clamp(-20, 20))
-    tau = torch.where(x.advantages >= 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    tau = torch.where(x.advantages >= 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
     return -x.advantages * (4 / tau) * torch.sigmoid(tau * (ratio - 1)), {}
 
 
@@ -533,12 +537,21 @@ def all_tokens(loss, x: LossInputs, cfg: "AlgorithmConfig"):
 def clip_cov(loss, x: LossInputs, cfg: "AlgorithmConfig"):
     """Clip-Cov (Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs): the tokens whose
     covariance lies in (clip_cov_low, clip_cov_high) drive the entropy's collapse; it stops the
-    gradient of max(1, clip_cov_ratio x valid tokens) of them, drawn at random (their loss is 0).
+    gradient of max(1, clip_cov_ratio x valid tokens) of them, drawn at random among those PPO's
+    token clip did not take (their loss is 0). As the paper's code (PRIME-RL/Entropy-Mechanism-of-RL
+    and veRL's compute_policy_loss_clip_cov): a token whose clipped loss -A clip(r, 1 - clip_low,
+    1 + clip_high) is above -A r has no gradient already, and drawing it would stop one gradient
+    fewer. The clip is PPO's token clip by --algorithm.clip-ratio-low/high whatever the loss (the
+    paper's loss is PPO's; bounds of inf: every token a candidate).
     Example: covariances [0.5, 2, 3, 7] with bounds (1, 5) and a ratio that makes 1: one of the
-    2nd and 3rd tokens loses its gradient. The reference also spares tokens PPO's clip already
-    took; here a clipped token may be drawn (its gradient was 0 anyway)."""
+    2nd and 3rd tokens loses its gradient; if PPO clipped the 2nd, the 3rd."""
     cov = covariance(x)
-    candidates = ((cov > cfg.clip_cov_low) & (cov < cfg.clip_cov_high) & x.mask.bool()).flatten()
+    with torch.no_grad():
+        ratio = torch.exp(x.log_ratio.clamp(-20, 20))
+        clipped = (-x.advantages * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+                   > -x.advantages * ratio)  # [b, R]: PPO's clip binds, the gradient is 0
+    candidates = ((cov > cfg.clip_cov_low) & (cov < cfg.clip_cov_high) & ~clipped
+                  & x.mask.bool()).flatten()
     index = candidates.nonzero().squeeze(-1)
     count = max(1, int(cfg.clip_cov_ratio * x.mask.sum()))
     drawn = index[torch.randperm(len(index), device=index.device)[:count]]

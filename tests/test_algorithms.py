@@ -190,6 +190,23 @@ def test_gspo_token_has_the_sequence_value_and_a_per_token_gradient():
     torch.testing.assert_close(new.grad, torch.tensor([[-math.exp(s), 2 * math.exp(s)]]))
 
 
+def test_gspo_has_no_dual_clip():
+    """A = -1 and a sequence ratio of 4 (both tokens' log-ratio ln 4), above the dual cap of 3: the loss is
+    max(-A r, -A clip(r)) = max(4, 1.0004) = 4 on both tokens, not min(4, 3) = 3, and the gradient flows, as in the
+    paper's, veRL's (compute_policy_loss_gspo) and TRL's GSPO. gspo: d/dl_t of the row's summed loss
+    = 2 tokens x (-A r / 2) = 4; gspo_token: -A r = 4 per token."""
+    cfg = AlgorithmConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4, clip_ratio_dual=3.0)
+    for loss_fn in (gspo_loss, gspo_token_loss):
+        new = torch.full((1, 2), math.log(4.0), requires_grad=True)
+        inputs = LossInputs(logprobs=new, old_logprobs=torch.zeros(1, 2), advantages=torch.full((1, 2), -1.0),
+                            mask=torch.ones(1, 2))
+        loss, stats = loss_fn(inputs, cfg)
+        torch.testing.assert_close(loss.detach(), torch.tensor([[4.0, 4.0]]))
+        assert stats["actor/clipfrac_dual"].sum() == 0
+        loss.sum().backward()
+        torch.testing.assert_close(new.grad, torch.tensor([[4.0, 4.0]]))
+
+
 def test_cispo_weight_is_clipped_and_detached():
     cfg = AlgorithmConfig(clip_ratio_low=0.0, clip_ratio_high=4.0)
     old = torch.zeros(1, 3)
@@ -217,6 +234,18 @@ def test_sapo_soft_gate():
     loss.sum().backward()
     # dL/dl = -A (4 / tau) tau sigmoid'(0) r = -A at r = 1, as PPO
     torch.testing.assert_close(new.grad, torch.tensor([[-1.0, 1.0]]))
+
+
+def test_sapo_follows_the_inputs_dtype():
+    """bf16 inputs give a bf16 loss (tau in the ratio's dtype, as the other losses keep theirs): at r = 1,
+    -2A / tau with tau 1.05 in bf16 (1.046875) for A = -1."""
+    inputs = LossInputs(logprobs=torch.zeros(1, 2, dtype=torch.bfloat16),
+                        old_logprobs=torch.zeros(1, 2, dtype=torch.bfloat16),
+                        advantages=torch.tensor([[1.0, -1.0]], dtype=torch.bfloat16),
+                        mask=torch.ones(1, 2, dtype=torch.bfloat16))
+    loss, _ = sapo_loss(inputs, AlgorithmConfig())
+    assert loss.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, torch.tensor([[-2.0, 2 / 1.046875]], dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("mode, count", [("token-mean", "tokens"), ("seq-mean-token-mean", "sequences"),

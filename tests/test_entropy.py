@@ -141,6 +141,23 @@ def test_clip_cov_stops_the_gradient_of_tokens_drawn_within_the_bounds():
     assert drawn == {0, 2}
 
 
+def test_clip_cov_draws_among_the_tokens_ppo_did_not_clip():
+    """The previous test's covariances [2, -0.25, 2, -0.25], candidates the 1st and 3rd, but the 1st's ratio is
+    e^0.5 = 1.65 with A = 2 > 0, above PPO's 1 + 0.3: its clipped loss -2 x 1.3 is above -2 x 1.65, it has no
+    gradient already. As the paper's code (and veRL's compute_policy_loss_clip_cov), only the 3rd may be drawn, on
+    every seed; once the 3rd is clipped too (A = -2, ratio e^-0.5 = 0.61 below 1 - 0.2), no token is stopped."""
+    cfg = AlgorithmConfig(clip_cov_ratio=0.25)
+    logprobs_ = [[-1.0, -2.5, -3.0, -1.5]]
+    for old, expected in (([[-1.5, -2.5, -3.0, -1.5]], [0.0, 0.0, 1.0, 0.0]),
+                          ([[-1.5, -2.5, -2.5, -1.5]], [0.0, 0.0, 0.0, 0.0])):
+        x = inputs(logprobs_, [[2.0, 0.5, -2.0, -0.5]], [[1.0] * 4], old=old)
+        torch.testing.assert_close(covariance(x), torch.tensor([[2.0, -0.25, 2.0, -0.25]]))
+        for seed in range(20):
+            torch.manual_seed(seed)
+            _, stats = clip_cov(torch.ones(1, 4), x, cfg)
+            assert stats["actor/entropy_method_tokens"][0].tolist() == expected
+
+
 def test_kl_cov_penalises_the_tokens_of_the_largest_covariance():
     """The 3rd token a hole: over the valid ones A = [2, 0.5, -0.5] (mean 2/3), l = [-1, -2.5, -1.5] (mean -5/3),
     covariances [8/9, 5/36, -7/36]; a ratio of 0.4 picks max(1, int(1.2)) = 1 token, the 1st; l - l_old = [-0.2, -0.1,
