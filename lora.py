@@ -64,7 +64,26 @@ def add_adapters(model, cfg: LoRAConfig):
     targets = "all-linear" if cfg.target_modules == ("all-linear",) else list(cfg.target_modules)
     peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                              target_modules=targets, exclude_modules=cfg.exclude_modules or None)
-    return get_peft_model(model, peft_config)
+    adaptable = adaptable_modules(model)  # before peft, which may wrap some layers and then fail
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as error:  # peft's message holds the whole module's repr, many lines
+        unsupported = re.match(r"Target module (\w+)", str(error))
+        why = (f"names a {unsupported[1]}, which LoRA cannot adapt" if unsupported else
+               "names no module of the model" if "not found in the base model" in str(error) else
+               str(error).splitlines()[0])
+        raise ValueError(f"--lora.target-modules {' '.join(cfg.target_modules)}: {why}; the "
+                         f"modules it can adapt: {', '.join(adaptable)}") from None
+
+
+def adaptable_modules(model) -> list[str]:
+    """The names (their last part, as --lora.target-modules takes them) of the model's layers LoRA
+    can adapt: linear, embedding and convolution layers (a tied output head not: add_adapters)."""
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, kinds)}
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return sorted(names - ({"lm_head"} if tied else set()))
 
 
 def has_adapters(model) -> bool:

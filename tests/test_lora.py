@@ -167,6 +167,18 @@ def test_an_adapter_on_a_tied_output_head_is_refused(tiny, world_of_one):
                            lora=LoRAConfig(rank=4, target_modules=("q_proj", "lm_head")))
 
 
+@pytest.mark.parametrize("targets, why", [(("q_proj", "mlp"), "names a Qwen2MLP, which LoRA cannot adapt"),
+                                          (("input_layernorm",), "names a Qwen2RMSNorm, which LoRA cannot adapt"),
+                                          (("qproj",), "names no module of the model")])
+def test_a_target_lora_cannot_adapt_is_one_line_naming_what_it_can(tiny, world_of_one, targets, why):
+    """peft's own error holds the whole module's repr (a dozen lines for an MLP): one line instead, naming the flag,
+    what is wrong and the layers it can adapt (no tied output head among them)."""
+    with pytest.raises(ValueError) as error:
+        load_sharded_model(tiny, torch.device("cpu"), trainable=True, lora=LoRAConfig(rank=4, target_modules=targets))
+    assert str(error.value) == (f"--lora.target-modules {' '.join(targets)}: {why}; the modules it can adapt: "
+                                "down_proj, embed_tokens, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj")
+
+
 def test_merger_errors_name_the_folder(world_of_one, tmp_path):
     with pytest.raises(SystemExit, match="neither a run folder"):
         merge(tmp_path, tmp_path / "out", torch.device("cpu"))
