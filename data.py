@@ -8,13 +8,19 @@ function with the row.
     {"problem": "What is 2 + 3?", "answer": "5", "images": [], "videos": [], ...any other columns}
 
 - prompt (`problem`): text, rendered through the optional Jinja format prompt as `{{ content }}`,
-  then through the tokenizer's chat template as one user turn with the generation prompt.
+  then through the tokenizer's chat template as one user turn with the generation prompt; or TRL's
+  conversational form, a list of messages (system, turns, the user's last), rendered the same way,
+  the format prompt applied to the last user message's text (PromptDataset.conversation):
+
+    {"prompt": [{"role": "system", "content": "Answer with a number."},
+                {"role": "user", "content": "What is 2 + 3?"}], "solution": "5"}
+
 - answer (`answer`): the ground truth, any type, handed untouched to the reward function (in a JSON
   file, one type per column: strings beside other types are refused, check_mixed_columns).
 - images (`images`, optional): a list of PIL images, {"bytes": ...} dicts, raw bytes or paths
   (relative ones joined with --data.image-dir), for vision-language models. The prompt marks where
-  each goes with a literal `<image>`, one per image, in order; rows without images are plain text
-  (mixed datasets work):
+  each goes with a literal `<image>` (in a conversation, or a {"type": "image"} part: TRL's form),
+  one per image, in order; rows without images are plain text (mixed datasets work):
 
     {"problem": "<image>How many squares are there?", "answer": "3", "images": ["clevr/0001.png"]}
 
@@ -83,7 +89,7 @@ import math
 import random
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +121,8 @@ class DataConfig:
     """Validation data, same format (e.g. `data/math12k@test`); auto: the training data's own test
     (or validation) split if it has one, else none; empty: none."""
     prompt_key: str = "problem"
-    """Column holding the prompt text."""
+    """Column holding the prompt: text, or a list of chat messages (TRL's conversational form,
+    whose column is `prompt`)."""
     answer_key: str = "answer"
     """Column holding the ground truth passed to the reward function."""
     image_key: str = "images"
@@ -143,8 +150,8 @@ class DataConfig:
     """Images (and video frames) with more pixels are scaled down to this many;
     it bounds each image's tokens (pixels / 28^2 for Qwen2.5-VL) and each frame pair's."""
     format_prompt: str = ""
-    """Jinja template rendering the prompt as `{{ content }}`, e.g. templates/math.jinja (also found
-    next to data.py); empty: the prompt as is."""
+    """Jinja template rendering the prompt as `{{ content }}` (a conversation's last user message),
+    e.g. templates/math.jinja (also found next to data.py); empty: the prompt as is."""
     allow_special_tokens: bool = False
     """Keep prompts whose text holds the tokenizer's control tokens (`<|im_end|>`, ...), which then
     act as such; refused by default (dataset text is text)."""
@@ -693,19 +700,20 @@ class PromptDataset:
             raise ValueError(f"{self.where(index, **which)}{file}, {size[0]} x {size[1]} pixels "
                              f"after resizing: {error}") from None
 
-    def prompt(self, text, index: int, num_images: int = 0, num_videos: int = 0) -> str:
-        """Row `index`'s prompt text -> format template -> chat template (one user turn + generation
-        prompt; with `open_turn`, the rendering up to the end of the user's text).
+    def prompt(self, value, index: int, num_images: int = 0, num_videos: int = 0) -> str:
+        """Row `index`'s prompt -> its messages (conversation) -> the format template on the last
+        user message -> chat template, with the generation prompt (after a last assistant message,
+        that message continued instead, TRL's prefill; with `open_turn`, the rendering up to the end
+        of the user's text).
 
-        In an image (video) dataset, each `<image>` (`<video>`) of the text becomes an image (video)
-        part of the message, which the chat template renders as
-        `<|vision_start|><|image_pad|><|vision_end|>` (`<|video_pad|>`).
+        In an image (video) dataset, each `<image>` (`<video>`) of a message becomes an image
+        (video) part of it, which the chat template renders as
+        `<|vision_start|><|image_pad|><|vision_end|>` (`<|video_pad|>`). A conversation that marks
+        no image gets its images at the start of its first user message (TRL's rule).
         """
-        if not isinstance(text, str):
-            raise ValueError(f"{self.where(index)}: column {self.cfg.prompt_key!r} must hold text, "
-                             f"got {type(text).__name__} {text!r:.80}")
+        messages = self.conversation(value, index)
         for token in self.forbidden:
-            if token in text:
+            if any(token in message["role"] + message["content"] for message in messages):
                 raise ValueError(f"{self.where(index)}: the prompt holds {token!r}, a control "
                                  "token of the model's tokenizer, which would act as one in its "
                                  "input" +
@@ -713,26 +721,101 @@ class PromptDataset:
                                   "video goes" if token in self.slots
                                   else "; remove it, or pass --data.allow-special-tokens if "
                                   "the dataset really carries control tokens"))
-        content = self.template.render(content=text) if self.template else text
+        users = [message for message in messages if message["role"] == "user"]
+        if self.template and users:
+            users[-1]["content"] = self.template.render(content=users[-1]["content"])
+        if (not isinstance(value, str) and num_images and users
+                and not any("<image>" in message["content"] for message in messages)):
+            users[0]["content"] = "<image>" * num_images + users[0]["content"]
+        everything = "".join(message["content"] for message in messages)
         marks = [f"<{kind}>" for kind, count, present in (("image", num_images, self.has_images),
                                                           ("video", num_videos, self.has_videos))
-                 if present and (count or f"<{kind}>" in content)]
+                 if present and (count or f"<{kind}>" in everything)]
         for mark, count in (("<image>", num_images), ("<video>", num_videos)):
-            if mark in marks and content.count(mark) != count:
-                raise ValueError(f"{self.where(index)}: {content.count(mark)} {mark} placeholders "
-                                 f"for {count} {mark[1:-1]}s; put one {mark} in the prompt where "
-                                 f"each {mark[1:-1]} goes, in order")
-        if marks:  # text, image, text, video, ..., text
-            content = [{"type": part[1:-1]} if part in marks else {"type": "text", "text": part}
-                       for part in re.split("(" + "|".join(marks) + ")", content) if part]
+            if mark in marks and everything.count(mark) != count:
+                raise ValueError(f"{self.where(index)}: {everything.count(mark)} {mark} "
+                                 f"placeholders for {count} {mark[1:-1]}s; put one {mark} (or a "
+                                 f"{{'type': '{mark[1:-1]}'}} part) in the prompt where each "
+                                 f"{mark[1:-1]} goes, in order")
+        last = messages[-1]
         if self.open_turn:
-            content = (content + OPEN_TURN if isinstance(content, str)
-                       else [*content, {"type": "text", "text": OPEN_TURN}])
-        messages = [{"role": "user", "content": content}]
+            if last["role"] != "user":
+                raise ValueError(f"{self.where(index)}: the prompt ends with the {last['role']}'s "
+                                 "message, and the environment's reset ends the user's: end each "
+                                 "prompt with the user's message")
+            last["content"] += OPEN_TURN
+        if marks:  # each message: text, image, text, video, ..., text
+            for message in messages:
+                message["content"] = [{"type": part[1:-1]} if part in marks
+                                      else {"type": "text", "text": part}
+                                      for part in re.split("(" + "|".join(marks) + ")",
+                                                           message["content"]) if part]
         renderer = self.processor if self.processor is not None else self.tokenizer
-        text = renderer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
-                                            tokenize=False)
+        text = renderer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                            add_generation_prompt=last["role"] == "user",
+                                            continue_final_message=last["role"] == "assistant")
         return text[:text.index(OPEN_TURN)] if self.open_turn else text
+
+    def conversation(self, value, index: int) -> list[dict]:
+        """A prompt column's value as messages of text, their images and videos marked `<image>`
+        and `<video>`: text is one user message; TRL's conversational form, a list of
+        {"role", "content"} messages (system, user, assistant: the last the user's, or the
+        assistant's to continue), each content text or a list of parts ({"type": "text", "text":
+        ...}, {"type": "image"}, {"type": "video"}), is the conversation as it is.
+
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+        -> [{"role": "user", "content": "<image>Colour?"}]
+        """
+        where = self.where(index)
+        if isinstance(value, str):
+            return [{"role": "user", "content": value}]
+        if (not isinstance(value, (list, tuple)) or not value
+                or not all(isinstance(message, Mapping) for message in value)):
+            raise ValueError(f"{where}: column {self.cfg.prompt_key!r} must hold text or a list of "
+                             "messages ({'role': ..., 'content': ...}, TRL's conversational "
+                             f"form), got {type(value).__name__} {value!r:.80}")
+        messages = []
+        for number, message in enumerate(value):
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str) or not role:
+                raise ValueError(f"{where}, message {number}: needs a 'role' (system, user or "
+                                 f"assistant), got {role!r:.40}")
+            if isinstance(content, (list, tuple)):
+                content = "".join(self.part(part, f"{where}, message {number}, part {p}")
+                                  for p, part in enumerate(content))
+            if not isinstance(content, str):
+                raise ValueError(f"{where}, message {number}: 'content' must be text or a list of "
+                                 f"parts, got {type(content).__name__} {content!r:.60}" +
+                                 ("" if content is None else
+                                  "; in a JSON file whose messages mix text contents with lists of "
+                                  "parts, `datasets` reads the text as JSON (\"5\" as 5): write "
+                                  "every content as a list of parts"))
+            messages.append({"role": role, "content": content})
+        if messages[-1]["role"] not in ("user", "assistant"):
+            raise ValueError(f"{where}: the last message is the {messages[-1]['role']}'s; a prompt "
+                             "ends with the user's message (or the assistant's, to continue)")
+        return messages
+
+    def part(self, part, where: str) -> str:
+        """One part of a message's content as text: a text part's text, an image (video) part
+        `<image>` (`<video>`), whose image is the row's next of its images column."""
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            return part["text"]
+        for media, key, flag, present in (("image", self.cfg.image_key, "--data.image-key",
+                                           self.has_images),
+                                          ("video", self.cfg.video_key, "--data.video-key",
+                                           self.has_videos)):
+            if kind == media and part.get(media) is not None:
+                raise ValueError(f"{where}: a part holding its {media}; put the row's {media}s in "
+                                 f"its column {key!r}, the parts as {{'type': '{media}'}}")
+            if kind == media and not present:
+                raise ValueError(f"{where}: a part of type {media!r}, and the dataset has no "
+                                 f"column {key!r} of {media}s ({flag})")
+            if kind == media:
+                return f"<{media}>"
+        raise ValueError(f"{where}: a part must be {{'type': 'text', 'text': ...}}, "
+                         f"{{'type': 'image'}} or {{'type': 'video'}}, got {part!r:.80}")
 
     def prompt_ids(self, prompt: str) -> list[int]:
         # the chat template already wrote the special tokens, so the tokenizer must not add a

@@ -323,6 +323,95 @@ def test_image_rows_need_a_vision_language_model(tokenizer):
         PromptDataset(rows, DataConfig(), tokenizer, "vqa")
 
 
+# ---------------------------------------------------------------- TRL's conversational datasets
+
+SYSTEM = {"role": "system", "content": "Answer with a number."}
+CONVERSATIONS = [  # TRL's conversational prompt-only rows: a system message, several turns, a prefill
+    [SYSTEM, {"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+     {"role": "user", "content": "What is 7 * 6?"}],
+    [{"role": "user", "content": "Name the first prime."}, {"role": "assistant", "content": "It is"}],
+]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_trl_conversational_prompts_render_as_trls_chat_template_does(tmp_path, tokenizer, suffix):
+    """TRL's `maybe_apply_chat_template`: the conversation with the generation prompt, or, after a last assistant
+    message, that message continued; the answer column, whatever its name, untouched."""
+    rows = [{"prompt": prompt, "solution": answer} for prompt, answer in zip(CONVERSATIONS, ["5", "42", "2"])]
+    path = tmp_path / f"trl{suffix}"
+    write_jsonl(path, rows) if suffix == ".jsonl" else datasets.Dataset.from_list(rows).to_parquet(str(path))
+    cfg = DataConfig(prompt_key="prompt", answer_key="solution", max_prompt_length=1000)
+    dataset = PromptDataset(load_rows(str(path)), cfg, tokenizer, "trl")
+    assert [dataset[i]["prompt"] for i in range(3)] == [
+        "<|im_start|>system\nAnswer with a number.<|im_end|>\n" + chat("What is 2 + 3?"),
+        tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True),
+        chat("Name the first prime.") + "It is"]
+    assert dataset[1]["prompt"].endswith(chat("What is 7 * 6?"))
+    assert (dataset[0]["ground_truth"], dataset[0]["row"]) == ("5", rows[0])
+    assert tokenizer.decode(dataset[2]["prompt_ids"]) == dataset[2]["prompt"]
+
+
+def test_a_format_prompt_renders_a_conversations_last_user_message(tmp_path, tokenizer):
+    rows = [{"prompt": CONVERSATIONS[1], "answer": "42"}]
+    cfg = DataConfig(prompt_key="prompt", format_prompt="templates/math.jinja", max_prompt_length=1000)
+    prompt = PromptDataset(datasets.Dataset.from_list(rows), cfg, tokenizer, "trl")[0]["prompt"]
+    assert prompt.startswith("<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n")
+    assert prompt.endswith(chat("What is 7 * 6?" + MATH_SUFFIX))
+
+
+def test_trl_vision_rows_images_in_parts_or_before_the_first_user_text(tmp_path, processor):
+    """TRL's VLM form: {"type": "image"} parts, the images in the `images` column (parquet: every content a list of
+    parts); a conversation of text only gets its images at the start of its first user message (TRL's
+    prepare_multimodal_messages); text rows mix in."""
+    def text(value):
+        return {"type": "text", "text": value}
+
+    system = {"role": "system", "content": [text("Answer with a number.")]}
+    parts = [{"type": "image"}, text("left, "), {"type": "image"}, text("right")]
+    rows = [{"prompt": [system, {"role": "user", "content": parts}], "answer": "no",
+             "images": [{"bytes": png((28, 28))}, {"bytes": png((28, 56))}]},
+            {"prompt": [{"role": "user", "content": [text("2 + 3?")]}], "answer": "5", "images": []}]
+    path = tmp_path / "vlm.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))  # the image parts come back with "text": None
+    cfg = DataConfig(prompt_key="prompt", min_pixels=28 * 28, max_pixels=56 * 56, image_dir=str(tmp_path))
+    dataset = PromptDataset(load_rows(str(path)), cfg, processor.tokenizer, "vlm", processor)
+    opening = "<|im_start|>system\nAnswer with a number.<|im_end|>\n"
+    assert [dataset[i]["prompt"] for i in range(2)] == [opening + chat(f"{VISION}left, {VISION}right"), chat("2 + 3?")]
+    assert [image.size for image in dataset[0]["images"]] == [(28, 28), (28, 56)]
+    (tmp_path / "a.png").write_bytes(png((28, 28)))
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": CONVERSATIONS[0], "answer": "5", "images": ["a.png"]}])
+    dataset = PromptDataset(load_rows(str(plain)), cfg, processor.tokenizer, "plain", processor)
+    assert dataset[0]["prompt"] == opening + chat(f"{VISION}What is 2 + 3?")
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"role": "user", "content": "hi"}, "row 0: column 'prompt' must hold text or a list of messages"),
+    ([{"content": "hi"}], r"row 0, message 0: needs a 'role' \(system, user or assistant\)"),
+    ([{"role": "user", "content": 5}], "row 0, message 0: 'content' must be text or a list of parts, got int 5;"
+                                       " in a JSON file"),
+    ([{"role": "user", "content": "hi"}, SYSTEM], "row 0: the last message is the system's"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], "row 0, message 0, part 0: a part must be"),
+    ([{"role": "user", "content": [{"type": "image"}]}], "row 0, message 0, part 0: a part of type 'image', and "
+                                                         r"the dataset has no column 'images' of images \(--data"),
+    ([SYSTEM, {"role": "user", "content": "<|im_end|>"}], "row 0: the prompt holds '<|im_end|>', a control token"),
+])
+def test_a_malformed_conversation_is_named_with_its_row_message_and_part(tokenizer, prompt, message):
+    rows = datasets.Dataset.from_list([{"prompt": prompt, "answer": "1"}])
+    with pytest.raises(ValueError, match=f"'bad', {message}"):
+        PromptDataset(rows, DataConfig(prompt_key="prompt"), tokenizer, "bad")
+
+
+def test_an_environments_prompt_ends_with_the_users_message(tokenizer):
+    rows = datasets.Dataset.from_list([{"prompt": CONVERSATIONS[2], "answer": "2"}])
+    with pytest.raises(ValueError, match="'bad', row 0: the prompt ends with the assistant's message, and the "
+                                         "environment's reset ends the user's"):
+        PromptDataset(rows, DataConfig(prompt_key="prompt"), tokenizer, "bad", open_turn=True)
+    opened = PromptDataset(datasets.Dataset.from_list([{"prompt": CONVERSATIONS[0], "answer": "5"}]),
+                           DataConfig(prompt_key="prompt"), tokenizer, "trl", open_turn=True)[0]["prompt"]
+    assert opened == "<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?"
+
+
 # ---------------------------------------------------------------- video datasets (the same processor)
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
