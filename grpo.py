@@ -52,8 +52,8 @@ from env import EpisodeRollout, check_environment, environment_class, episode_me
 from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source,
                         check_output_folder, init_distributed, load_actor_and_reference,
                         load_reward_model, load_teacher, reshard, save_hf_model)
-from logprobs import (Batch, batch_of, batched_logprobs, micro_batches, response_logprobs,
-                      reward_model_scores)
+from logprobs import (Batch, batch_of, batched_logprobs, micro_batches, raw_logprobs,
+                      response_logprobs, reward_model_scores)
 from lora import LoRAConfig, adapters_off
 from plumbing.attention import attention_line
 from plumbing.balance import balance_over_ranks
@@ -586,9 +586,9 @@ def main(cfg: Config) -> None:
                     batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch,
                                                           **passes)
             teacher_logprobs = None  # on-policy distillation's teacher scores the samples
-            if teacher is not None and cfg.distill.kl == "sampled":
+            if teacher is not None and cfg.distill.kl == "sampled":  # its own distribution
                 with timer("teacher_logprob"):
-                    teacher_logprobs = batched_logprobs(teacher, batch, **passes)
+                    teacher_logprobs = raw_logprobs(teacher, batch, passes)
 
             # ---- token rewards, advantages -------------------------------------------------------
             # what an async reward has left (it ran beside the passes above), the model's pass

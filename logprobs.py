@@ -529,6 +529,19 @@ def batched_logprobs(model, batch: Batch, temperature: float, micro_batch_size: 
                                                                padding_free, sp, top_k, top_p))
 
 
+def raw_logprobs(model, batch: Batch, passes: dict) -> torch.Tensor:
+    """batched_logprobs of the model's own distribution -> [B, R]: the passes' settings
+    (grpo.pass_settings: micro-batches, packing, sequence parallelism) at temperature 1, without
+    top-k / top-p. On-policy distillation's sampled signal scores the student's tokens with this:
+    its teacher is the model it learns towards, and the sampling's temperature and truncation are
+    the student's (tinker-cookbook's train_on_policy.py asks its teacher for compute_logprobs, which
+    takes no sampling settings). The teacher's logits [2, 1, 0] and the sampled token the second:
+    raw, 1 - log(e^2 + e^1 + e^0) = -1.408; at temperature 0.5 it would be 2 - log(e^4 + e^2 + e^0)
+    = -2.143, with top-k 2 at temperature 1, 1 - log(e^2 + e^1) = -1.313."""
+    return batched_logprobs(model, batch, **{**passes, "temperature": 1.0, "top_k": -1,
+                                             "top_p": 1.0})
+
+
 def sequence_scores(model, batch: Batch, padding_free: bool = True) -> torch.Tensor:
     """A reward model's score of each whole sequence of a micro-batch [b]: its score head (a
     sequence-classification model's `score`) on the decoder's hidden state at the sequence's last

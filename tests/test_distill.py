@@ -175,6 +175,28 @@ def test_the_divergence_enters_the_update_beside_the_outcome_advantage(models, w
     cfg.distill.kl = "sampled"
     assert "distill/sampled_kl" not in backward_mini_batch(student, micro, cfg, teacher=teacher)[0]
 
+def test_the_sampled_signal_scores_with_the_teachers_raw_distribution(models):
+    """The sampled signal's teacher pass (logprobs.raw_logprobs, as grpo.py runs it) at temperature 1 over the whole
+    vocabulary, whatever the sampling's settings: a teacher whose head gives the logits [2, 1, 0] (and -30 on the
+    other 102 tokens, 102 e^-30 = 1e-11 of the mass) scores each sampled token 1 at 1 - log(e^2 + e^1 + e^0) = -1.408
+    under the passes of temperature 0.5 and top-k 2, where those settings give 2 - log(e^4 + e^2) = -2.127."""
+    import copy
+
+    teacher = copy.deepcopy(models[1])
+    vocab, hidden = teacher.config.vocab_size, teacher.config.hidden_size
+    teacher.lm_head = torch.nn.Linear(hidden, vocab)
+    teacher.lm_head.weight.data.zero_()
+    teacher.lm_head.bias.data = torch.tensor([2.0, 1.0, 0.0] + [-30.0] * (vocab - 3))
+    batch = make_batch([[5, 20, 21], [5, 30]], [[1, 1, 1], [1, 1]], pad_id=0)
+    passes = dict(temperature=0.5, top_k=2, top_p=1.0, micro_batch_size=2)
+    raw = 1 - math.log(math.e ** 2 + math.e + 1)
+    torch.testing.assert_close(logprobs.raw_logprobs(teacher, batch, passes),
+                               torch.tensor([[raw] * 3, [raw, raw, 0.0]]), atol=1e-5, rtol=0)
+    tempered = 2 - math.log(math.e ** 4 + math.e ** 2)  # what the sampling's settings would give
+    torch.testing.assert_close(logprobs.batched_logprobs(teacher, batch, **passes),
+                               torch.tensor([[tempered] * 3, [tempered, tempered, 0.0]]), atol=1e-5, rtol=0)
+
+
 DISTILL = ["--algorithm.adv-estimator", "distill", "--trainer.total-steps", "2", "--trainer.val-freq", "0",
            "--trainer.no-val-before-train", *FAST, *SIGNAL]
 
