@@ -98,7 +98,7 @@ class AlgorithmConfig:
     """Rollout correction: the masks' lower bound of the weight (0: none)."""
     entropy_coef: float = 0.0
     """Entropy bonus: every token's loss less entropy_coef x the policy's entropy there (0: none;
-    the entropy is logged as actor/entropy either way)."""
+    negative: an entropy penalty; the entropy is logged as actor/entropy either way)."""
     entropy_method: str = "none"
     """Which tokens the policy loss trains, by their entropy or the covariance of log-prob and
     advantage: a name in ENTROPY_METHODS (none, clip_cov, kl_cov, high_entropy)."""

@@ -3,6 +3,7 @@ before anything is loaded, naming the flag to change.
 """
 
 import dataclasses
+import math
 import typing
 from pathlib import Path
 
@@ -108,8 +109,13 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, correction
               "rollout.max-env-errors": (r.max_env_errors, 0), "tools.timeout": (cfg.tools.timeout, 0),
               "rollout.val-temperature": (r.val_temperature, 0),
               "data.max-prompt-length": (cfg.data.max_prompt_length, 1), "data.max-frames": (cfg.data.max_frames, 2),
-              "algorithm.kl-coef": (cfg.algorithm.kl_coef, 0)}
-    problems = [f"--{flag} {value} must be at least {low}" for flag, (value, low) in bounds.items() if value < low]
+              "algorithm.kl-coef": (cfg.algorithm.kl_coef, 0), "algorithm.kl-cov-coef": (cfg.algorithm.kl_cov_coef, 0),
+              "algorithm.clip-ratio-low": (cfg.algorithm.clip_ratio_low, 0),
+              "algorithm.clip-ratio-high": (cfg.algorithm.clip_ratio_high, 0),
+              "distill.reward-weight": (cfg.distill.reward_weight, 0)}
+    # `not >=`: a NaN is refused too
+    problems = [f"--{flag} {value} must be at least {low}" for flag, (value, low) in bounds.items()
+                if not value >= low]
     if r.temperature <= 0:
         problems.append(f"--rollout.temperature {r.temperature} must be above 0: the trainer divides its logits by it, "
                         "and at 0 the n responses to a prompt are one and the same "
@@ -185,6 +191,20 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, correction
                  "high-entropy-fraction": algo.high_entropy_fraction}
     problems += [f"--algorithm.{flag} {value} must be in (0, 1]" for flag, value in fractions.items()
                  if not 0 < value <= 1]
+    if not algo.clip_cov_low < algo.clip_cov_high:
+        problems.append(f"--algorithm.clip-cov-low {algo.clip_cov_low} and --algorithm.clip-cov-high "
+                        f"{algo.clip_cov_high}: Clip-Cov draws among the covariances strictly between them, so low "
+                        "must be below high")
+    if not algo.clip_ratio_dual > 1:
+        problems.append(f"--algorithm.clip-ratio-dual {algo.clip_ratio_dual} must be above 1 (inf: no dual clip): it "
+                        "caps the loss of A < 0 at -A x it, and at 1 or below it takes the gradient of tokens inside "
+                        "PPO's clip")
+    if not (algo.sapo_tau_pos > 0 and algo.sapo_tau_neg > 0):
+        problems.append(f"--algorithm.sapo-tau-pos {algo.sapo_tau_pos} and --algorithm.sapo-tau-neg "
+                        f"{algo.sapo_tau_neg} must be above 0: SAPO's gate is (4 / tau) sigmoid(tau (r - 1))")
+    if not math.isfinite(algo.entropy_coef):
+        problems.append(f"--algorithm.entropy-coef {algo.entropy_coef} must be a finite number: the bonus would make "
+                        "every gradient non-finite, and every optimizer step would be skipped")
     if not 0 <= algo.correction_low < algo.correction_high:
         problems.append(f"--algorithm.correction-low {algo.correction_low} and --algorithm.correction-high "
                         f"{algo.correction_high}: the weight's bounds need 0 <= low < high")

@@ -335,6 +335,25 @@ def test_every_registered_algorithm_has_a_preset_and_unknown_names_are_refused()
     assert "--algorithm.loss-type 'nada'" in str(error.value)
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("clip_ratio_low", -0.1, "--algorithm.clip-ratio-low -0.1 must be at least 0"),
+    ("clip_ratio_high", -0.1, "--algorithm.clip-ratio-high -0.1 must be at least 0"),
+    ("clip_ratio_dual", 1.0, "--algorithm.clip-ratio-dual 1.0 must be above 1"),
+    ("sapo_tau_neg", 0.0, "--algorithm.sapo-tau-pos 1.0 and --algorithm.sapo-tau-neg 0.0 must be above 0"),
+    ("kl_coef", math.nan, "--algorithm.kl-coef nan must be at least 0")])
+def test_the_losses_settings_are_checked(flag, value, message):
+    """Each alone is refused at start-up naming its flag: clip ratios that invert the clip range, a dual clip at or
+    below 1 (it would take the gradient of tokens inside PPO's clip), a SAPO temperature of 0 (4 / tau), a NaN KL
+    coefficient (a NaN passes every `<` check)."""
+    from grpo import Config, check_config
+
+    cfg = Config()
+    setattr(cfg.algorithm, flag, value)
+    with pytest.raises(SystemExit) as error:
+        check_config(cfg, world_size=1)
+    assert message in str(error.value) and len(str(error.value).splitlines()) == 2
+
+
 def test_dynamic_sampling_keeps_only_keep_groups():
     group_scores = [[{"acc": 0.0}] * 4, [{"acc": 1.0}] * 4, [{"acc": 1.0}, {"acc": 0.0}, {"acc": 0.0}, {"acc": 0.0}]]
     assert [keep_group(g, "acc", 0.01, 0.99) for g in group_scores] == [False, False, True]
@@ -450,3 +469,6 @@ def test_a_teacher_and_the_distill_estimator_go_together():
         check_config(cfg, world_size=1)
     cfg.distill.reward_weight = 0.0
     check_config(cfg, world_size=1)  # the teacher alone needs no group
+    cfg.distill.reward_weight, cfg.rollout.n = -0.5, 4  # a weight against the reward
+    with pytest.raises(SystemExit, match="--distill.reward-weight -0.5 must be at least 0"):
+        check_config(cfg, world_size=1)

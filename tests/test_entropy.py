@@ -249,6 +249,28 @@ def test_the_flags_are_checked():
         check_config(cfg, world_size=2)
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("clip_cov_low", 5.0, "--algorithm.clip-cov-low 5.0 and --algorithm.clip-cov-high 5.0: Clip-Cov draws among"),
+    ("clip_cov_low", 6.0, "--algorithm.clip-cov-low 6.0 and --algorithm.clip-cov-high 5.0"),
+    ("kl_cov_coef", -1.0, "--algorithm.kl-cov-coef -1.0 must be at least 0"),
+    ("entropy_coef", math.nan, "--algorithm.entropy-coef nan must be a finite number"),
+    ("entropy_coef", math.inf, "--algorithm.entropy-coef inf must be a finite number")])
+def test_reversed_clip_cov_bounds_a_negative_kl_cov_coef_and_a_non_finite_bonus_are_refused(flag, value, message):
+    """Each alone is refused at start-up naming its flag: bounds with nothing strictly between them (Clip-Cov would
+    stop nothing), a KL-Cov pull away from the old policy, an entropy bonus that makes every step's gradient
+    non-finite (every optimizer step skipped). A negative bonus (an entropy penalty) is accepted."""
+    from grpo import Config, check_config
+
+    cfg = Config()
+    setattr(cfg.algorithm, flag, value)
+    with pytest.raises(SystemExit) as error:
+        check_config(cfg, world_size=1)
+    assert message in str(error.value) and len(str(error.value).splitlines()) == 2
+    cfg = Config()
+    cfg.algorithm.entropy_coef = -0.01
+    check_config(cfg, world_size=1)
+
+
 # ---------------------------------------------------------------- 2 steps under torchrun
 
 ENTROPY_RUNS = {  # each method beside another estimator, loss and rollout correction: they compose
