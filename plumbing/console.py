@@ -15,7 +15,8 @@ Errors: a mistake of the user's (a bad flag, a missing dataset column, a reward 
 the error types in USER_ERRORS and those the caller adds, whose messages this project writes to say what to do) ends the
 process with that message on one line and exit code 1, printed once however many ranks hit it; anything else is a
 bug and keeps its traceback. torchrun still adds its own "ChildFailedError" banner when a rank exits with an
-error (it cannot be turned off from inside the workers); its "Root Cause" shows the same message.
+error (it cannot be turned off from inside the workers); its last lines, the "Root Cause", show the same message
+(a usage error's: what to run; a bug's: its exception), which each rank records where torchrun reads it.
 A Ctrl-C (SIGINT to every rank and to torchrun) is one line too, saying where the run stands; torchrun prints
 its own traceback of the signal, which nothing inside the workers can stop.
 """
@@ -81,7 +82,26 @@ def run(main: Callable, *args, user_errors: tuple[type[Exception], ...] = ()) ->
     without an active exception": a C++ thread of the distributed stack destroyed while still joinable), failing
     a finished job; the test workers that launch under torchrun leave the same way. Not sys.exit either: the
     teardown would run vLLM's and gloo's finalizers on a broken run."""
-    os._exit(exit_code(main, *args, user_errors=user_errors))
+    try:
+        code = exit_code(main, *args, user_errors=user_errors)
+    except SystemExit as exit:  # tyro's usage error (already printed), --help, or an error under GRPO_VERBOSE
+        if exit.code:
+            record_for_torchrun(exit.code if isinstance(exit.code, str) else "the command line was not understood "
+                                "(the message above); --help lists every flag")
+        raise
+    except Exception as bug:  # its traceback follows
+        record_for_torchrun(f"{type(bug).__name__}: {bug} (the traceback above)")
+        raise
+    os._exit(code)
+
+
+def record_for_torchrun(message: str) -> None:
+    """Write `message` where torchrun's failure summary reads a rank's error (TORCHELASTIC_ERROR_FILE, in the
+    layout of torch's own error files): the summary's last lines, its "Root Cause", then say what to do instead of
+    `error_file: <N/A>`. Nothing outside torchrun."""
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
 
 
 def exit_code(main: Callable, *args, user_errors: tuple[type[Exception], ...] = ()) -> int:
@@ -106,9 +126,7 @@ def exit_code(main: Callable, *args, user_errors: tuple[type[Exception], ...] = 
                       else error.args[0] if error.args else error)
         if first_to_report(message):
             print(f"error: {message}", file=sys.stderr, flush=True)
-        if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's failure banner shows this as the root cause
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        record_for_torchrun(message)
         sys.stdout.flush()
         return 1
 
