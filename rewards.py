@@ -5,7 +5,8 @@ Design decisions:
 - A reward is a plain function, either a built-in below (toy, math, r1v, toy_tools, code,
   reasoning_gym, judge, env, none) or a user's `path/to/file.py:function`. Per-sample kind:
   fn(RewardInput, **kwargs) -> dict; batch kind (`--reward.batch`, e.g. for a reward model):
-  fn(list[RewardInput], **kwargs) -> list[dict].
+  fn(list[RewardInput], **kwargs) -> list[dict]; TRL's kind, told by a parameter named
+  `completions`, run unchanged (TRLReward): fn(completions, **kwargs) -> list[float | None].
 - The input carries everything users ask for: response, its token length, ground truth, the prompt,
   the whole dataset row, its images and videos, and a multi-turn episode's messages, record and
   environment.
@@ -56,7 +57,8 @@ class RewardConfig:
     function: str = "toy"
     """Reward function: a built-in name (toy, math, r1v, toy_tools, code, reasoning_gym: a
     reasoning-gym task's own verifier, judge, env: the score the episode's environment keeps),
-    `path/to/file.py:function_name`, or none (every sample 0: the reward model's score alone)."""
+    `path/to/file.py:function_name` (this project's kind, or TRL's: `def f(completions, **kwargs)`
+    returning a float a sample), or none (every sample 0: the reward model's score alone)."""
     kwargs: Annotated[dict[str, bool | int | float | str], tyro.conf.arg(metavar="[KEY VALUE ...]",
                       help_behavior_hint="(default: none)")] = field(default_factory=dict)
     """Keyword arguments passed to the reward function, as KEY VALUE pairs:
@@ -64,7 +66,8 @@ class RewardConfig:
     an int, a float, or else a string."""
     batch: bool = False
     """True: fn(list[RewardInput], **kwargs) -> list[dict];
-    False: fn(RewardInput, **kwargs) -> dict, called per sample. Either may be an `async def`."""
+    False: fn(RewardInput, **kwargs) -> dict, called per sample. Either may be an `async def`.
+    A TRL reward function is a batch one without it."""
     max_concurrency: int = 32
     """Async rewards (code and judge included): calls running at once on each rank."""
     model: str = ""
@@ -114,6 +117,7 @@ class RewardConfig:
 class RewardInput(TypedDict):
     response: str  # decoded response, special tokens stripped
     response_length: int  # in tokens
+    response_ids: list[int]  # its tokens (a multi-turn episode's, the given turns' included)
     ground_truth: Any  # the dataset's answer column, as stored
     prompt: str  # the chat-formatted prompt text
     row: dict  # the whole dataset row, all columns
@@ -441,6 +445,136 @@ def _parser_function(spec: str) -> Callable[[str], dict[str, float]]:
     return parse
 
 
+# --------------------------------------------------------------------------------------------------
+# TRL's reward functions, run unchanged
+# --------------------------------------------------------------------------------------------------
+
+# what TRL's GRPOTrainer passes a reward function by these names, beside the dataset's columns
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "environments")
+
+
+@dataclass
+class TrainerState:
+    """What a TRL reward function reads of the run as `trainer_state`, named as transformers'
+    TrainerState: the optimizer steps done before the scored samples' step, and all of them
+    (--trainer.total-steps). None until the trainer sets them."""
+
+    global_step: int | None = None
+    max_steps: int | None = None
+
+
+def is_trl_reward(fn: Callable) -> bool:
+    """TRL's kind of reward function: one that takes a parameter named `completions`
+    (`def reward(completions, **kwargs)`, `def accuracy(completions, solution, **kwargs)`); this
+    project's own take one sample (or one list of them) under any other name."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature: this project's kind
+        return False
+
+
+class TRLReward:
+    """A reward function of TRL's GRPOTrainer, run unchanged as a batch reward:
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., [environments=...],
+    **columns, **--reward.kwargs) -> one float (or None) a sample, as TRL calls it.
+
+    - completions: the response texts; for a conversational dataset (the row's `prompt` column a
+      list of messages, TRL's rule) or a multi-turn episode, each sample's messages after the
+      prompt, `[{"role": "assistant", "content": ...}]` for one turn (after a prompt that ends with
+      the assistant's message, that message's text opens it, as TRL's prefill);
+    - prompts: the row's `prompt` column as written (TRL's column name), else the chat-formatted
+      prompt; completion_ids: the response's token ids; trainer_state: TrainerState;
+    - every other column of the row by its name, one value a sample (not `prompt`, `completion` or
+      `completion_ids`, as TRL); --reward.kwargs as they are;
+    - environments: the episodes' environment objects (--rollout.env), one a sample, when the
+      samples have them.
+    A function without **kwargs gets only the names it takes. Its result: a float a sample, or None
+    (TRL: this function does not score the sample) -> overall 0, as TRL's sum over its functions
+    gives with one function, and `unscored` 1 (0 for a scored sample), logged as the share.
+
+    completions ["7", "8"], ground truth "7", fn returning [1.0, None]
+    -> [{"overall": 1.0, "unscored": 0.0}, {"overall": 0.0, "unscored": 1.0}]
+    """
+
+    def __init__(self, fn: Callable, name: str, trainer_state: TrainerState):
+        self.fn, self.name, self.trainer_state = fn, name, trainer_state
+        parameters = inspect.signature(fn).parameters.values()
+        self.takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+        self.names = {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        self.required = [p.name for p in parameters if p.default is p.empty
+                         and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    def check(self, **kwargs) -> None:
+        """At start-up: --reward.kwargs neither take TRL's own names nor names it does not take."""
+        reserved = sorted(set(kwargs) & set(TRL_ARGUMENTS))
+        unknown = [] if self.takes_any else sorted(set(kwargs) - self.names)
+        if reserved or unknown:
+            raise RewardError(f"TRL reward {self.name!r}: --reward.kwargs {reserved or unknown} " +
+                              ("are TRL's own arguments, filled by the trainer" if reserved
+                               else f"are not among its parameters {sorted(self.names)}"))
+
+    def arguments(self, inputs: list[RewardInput], kwargs: dict) -> dict:
+        rows = [inp["row"] for inp in inputs]
+        conversational = _is_conversation(rows[0].get("prompt"))
+        arguments = {
+            **{key: [row.get(key) for row in rows] for key in rows[0]
+               if key not in ("prompt", "completion", "completion_ids")},
+            **kwargs,
+            "prompts": [row.get("prompt", inp["prompt"]) for row, inp in zip(rows, inputs)],
+            "completions": [_completion(inp) if conversational or inp["episode"] is not None
+                            else inp["response"] for inp in inputs],
+            "completion_ids": [inp["response_ids"] for inp in inputs],
+            "trainer_state": self.trainer_state}
+        if any(inp["env"] is not None for inp in inputs):
+            arguments["environments"] = [inp["env"] for inp in inputs]
+        if not self.takes_any:
+            arguments = {key: value for key, value in arguments.items() if key in self.names}
+        missing = [name for name in self.required if name not in arguments]
+        if missing:
+            raise RewardError(f"TRL reward {self.name!r} takes {missing}, neither a column of the "
+                              f"dataset (its columns: {sorted(rows[0])}) nor one of TRL's "
+                              f"arguments {list(TRL_ARGUMENTS)}: give it a default, or add the "
+                              "column")
+        return arguments
+
+    @staticmethod
+    def scores(results, count: int):
+        """The function's floats as score dicts; anything else as it came, for RewardFunction to
+        name."""
+        values = results.tolist() if hasattr(results, "tolist") else results  # numpy, torch
+        if not isinstance(values, (list, tuple)) or len(values) != count:
+            return results
+        return [{"overall": 0.0, "unscored": 1.0} if value is None
+                else {"overall": value, "unscored": 0.0} for value in values]
+
+    def __call__(self, inputs: list[RewardInput], **kwargs) -> list[dict[str, float]]:
+        return self.scores(self.fn(**self.arguments(inputs, kwargs)), len(inputs))
+
+
+class AsyncTRLReward(TRLReward):
+    """A TRL reward function that is an `async def` (TRL awaits them too)."""
+
+    async def __call__(self, inputs: list[RewardInput], **kwargs) -> list[dict[str, float]]:
+        return self.scores(await self.fn(**self.arguments(inputs, kwargs)), len(inputs))
+
+
+def _is_conversation(prompt) -> bool:
+    """TRL's is_conversational for a prompt: a list of {"role", "content"} messages."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and isinstance(prompt[0], Mapping) and "role" in prompt[0])
+
+
+def _completion(inp: RewardInput) -> list[dict]:
+    """A sample's messages after the prompt, as TRL gives a conversational completion; after a
+    prompt that ends with the assistant's message (a prefill), that text opens the first."""
+    messages = [dict(message) for message in inp["messages"]]
+    prompt = inp["row"].get("prompt")
+    last = prompt[-1] if _is_conversation(prompt) else {}
+    if last.get("role") == "assistant" and isinstance(last.get("content"), str) and messages:
+        messages[0]["content"] = last["content"] + messages[0]["content"]
+    return messages
+
+
 BUILTINS: dict[str, Callable] = {"toy": toy_reward, "math": math_reward, "r1v": r1v_reward,
                                   "toy_tools": toy_tools_reward, "code": code_reward,
                                   "reasoning_gym": reasoning_gym_reward, "judge": Judge,
@@ -477,6 +611,7 @@ def reward_inputs(tokenizer, items: list, responses: list[list]) -> list[RewardI
                  "content": tokenizer.decode(r.token_ids, skip_special_tokens=True)}]
             last = next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
             inputs.append(RewardInput(response=last, response_length=len(r.token_ids),
+                                      response_ids=list(r.token_ids),
                                       ground_truth=item["ground_truth"], prompt=item["prompt"],
                                       row=item["row"], images=item["images"],
                                       videos=item["videos"], messages=messages, episode=r.episode,
@@ -657,6 +792,11 @@ class RewardFunction:
         self.fn = BUILTINS[self.name] if self.name in BUILTINS else load_reward(self.name)
         if self.fn is Judge:  # the judge keeps a client and its replies: an instance is the reward
             self.fn = Judge(config)
+        # what a TRL reward function reads as `trainer_state`; the trainer sets it each step
+        self.trainer_state = TrainerState()
+        if self.name not in BUILTINS and is_trl_reward(self.fn):  # TRL's kind: a batch reward
+            kind = AsyncTRLReward if _is_async(self.fn) else TRLReward
+            self.fn, self.batch = kind(self.fn, self.name, self.trainer_state), True
         try:
             inspect.signature(self.fn).bind(None, **self.kwargs)
         except TypeError as exc:
@@ -664,8 +804,7 @@ class RewardFunction:
                               f"{exc}") from exc
         # a built-in's start-up check (code's sandbox)
         getattr(self.fn, "check", lambda **kwargs: None)(**self.kwargs)
-        self.is_async = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
-            getattr(self.fn, "__call__", None))
+        self.is_async = _is_async(self.fn)
         on_main_thread = threading.current_thread() is threading.main_thread()
         self.deadline = (Deadline() if config.timeout and not self.is_async and on_main_thread
                          else None)
@@ -755,7 +894,10 @@ class RewardFunction:
             return result
         if not isinstance(result, Mapping) or "overall" not in result:
             return self._failed(index, inp, f"returned {result!r:.80}, "
-                                "expected a dict with an 'overall' key")
+                                "expected a dict with an 'overall' key" +
+                                (" (a TRL reward function, which returns a float a sample, takes "
+                                 "a parameter named `completions`)" if isinstance(result, Real)
+                                 else ""))
         for key, value in result.items():
             if not isinstance(value, Real) or not isfinite(value):
                 return self._failed(index, inp, f"returned {key}={value!r:.80}, "
@@ -785,6 +927,12 @@ class RewardFunction:
 
 
 FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _is_async(fn: Callable) -> bool:
+    """An `async def` function, or an object whose __call__ is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))
 
 
 class PendingScores:

@@ -5,12 +5,16 @@ import re
 import sys
 import threading
 
+import datasets
 import pytest
 import tyro
 
-from data import reasoning_gym_rows
+from data import DataConfig, PromptDataset, reasoning_gym_rows
+from env import Episode
+from plumbing.tiny import build_tokenizer
 from rewards import (RewardConfig, RewardError, RewardFunction, math_reward, overlong_penalty, r1v_reward,
-                     reasoning_gym_reward, toy_reward)
+                     reasoning_gym_reward, reward_inputs, toy_reward)
+from rollout import Response
 
 
 def sample(response: str, ground_truth="7") -> dict:
@@ -416,3 +420,120 @@ def test_outside_the_main_thread_a_reward_runs_without_a_time_limit(misbehaving)
     thread.start()
     thread.join()
     assert results == [[{"overall": 1.0, "accuracy": 1.0}]]
+
+
+# ----- TRL's reward functions, unchanged -------------------------------------------------------------
+
+TRL_REWARDS = '''
+import asyncio
+
+seen = []
+
+def accuracy(completions, solution, **kwargs):
+    seen.append({"completions": completions, "solution": solution, **kwargs})
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [None if s == "skip" else float(t.strip() == s) for t, s in zip(texts, solution)]
+
+def by_step(completions, trainer_state, **kwargs):
+    return [trainer_state.global_step / trainer_state.max_steps for _ in completions]
+
+def no_kwargs(completions, solution):
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+async def length(completions, scale=1.0, **kwargs):
+    await asyncio.sleep(0)
+    return [scale * len(c) for c in completions]
+
+def vault(completions, environments, **kwargs):
+    return [env.reward for env in environments]
+
+def short(completions, **kwargs):
+    return [1.0]
+
+def project_batch(inputs):
+    return [1.0 for _ in inputs]
+'''
+
+
+@pytest.fixture
+def trl_file(tmp_path):
+    path = tmp_path / "trl_rewards.py"
+    path.write_text(TRL_REWARDS)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def trl_inputs(tokenizer, rows: list[dict], responses: list[str], prompt_key="prompt", episodes=None) -> list:
+    """The reward inputs of one response a row, the rows rendered by data.py (a TRL dataset: column `prompt`,
+    answers in `solution`)."""
+    dataset = PromptDataset(datasets.Dataset.from_list(rows), DataConfig(prompt_key=prompt_key, answer_key="solution"),
+                            tokenizer, "trl")
+    items = [dataset[i] for i in range(len(rows))]
+    groups = [[Response(token_ids=tokenizer(text, add_special_tokens=False)["input_ids"], logprobs=[],
+                        truncated=False, episode=episodes[i] if episodes else None)]
+              for i, text in enumerate(responses)]
+    return reward_inputs(tokenizer, items, groups)
+
+
+CONVERSATION = [{"role": "system", "content": "Answer with a digit."}, {"role": "user", "content": "3 + 4?"}]
+
+
+def test_a_trl_reward_function_on_a_conversational_dataset_gets_what_trl_passes(trl_file, tokenizer):
+    rows = [{"prompt": CONVERSATION, "solution": "7", "level": 1},
+            {"prompt": CONVERSATION, "solution": "skip", "level": 2},
+            {"prompt": CONVERSATION + [{"role": "assistant", "content": "It is "}], "solution": "It is 7", "level": 3}]
+    inputs = trl_inputs(tokenizer, rows, ["7", "7", "7"])
+    reward = RewardFunction(RewardConfig(f"{trl_file}:accuracy"))  # no --reward.batch: TRL's kind is one
+    assert reward.batch and reward(inputs) == [{"overall": 1.0, "unscored": 0.0}, {"overall": 0.0, "unscored": 1.0},
+                                               {"overall": 1.0, "unscored": 0.0}]
+    [seen] = reward.fn.fn.__globals__["seen"]
+    assert seen["completions"][:2] == [[{"role": "assistant", "content": "7"}]] * 2
+    assert seen["completions"][2] == [{"role": "assistant", "content": "It is 7"}]  # the prefill opens it
+    assert seen["prompts"] == [row["prompt"] for row in rows]  # the column as written
+    assert (seen["solution"], seen["level"]) == (["7", "skip", "It is 7"], [1, 2, 3])  # every other column
+    assert seen["completion_ids"] == [tokenizer("7", add_special_tokens=False)["input_ids"]] * 3
+    assert seen["trainer_state"] is reward.trainer_state and seen["trainer_state"].global_step is None
+    assert "prompt" not in seen and "environments" not in seen
+
+
+def test_a_trl_reward_function_on_text_prompts_kwargs_async_and_the_trainer_state(trl_file, tokenizer):
+    rows = [{"problem": "3 + 4?", "solution": "7"}, {"problem": "2 + 2?", "solution": "4"}]
+    inputs = trl_inputs(tokenizer, rows, ["7", "five"], prompt_key="problem")
+    assert RewardFunction(RewardConfig(f"{trl_file}:no_kwargs"))(inputs) == [  # strings; only what it takes
+        {"overall": 1.0, "unscored": 0.0}, {"overall": 0.0, "unscored": 0.0}]
+    length = RewardFunction(RewardConfig(f"{trl_file}:length", kwargs={"scale": 0.5}))
+    assert length.is_async and length(inputs) == [{"overall": 0.5, "unscored": 0.0},
+                                                  {"overall": 2.0, "unscored": 0.0}]
+    by_step = RewardFunction(RewardConfig(f"{trl_file}:by_step"))
+    by_step.trainer_state.global_step, by_step.trainer_state.max_steps = 3, 4  # what the trainer sets each step
+    assert [s["overall"] for s in by_step(inputs)] == [0.75, 0.75]
+
+
+def test_a_trl_reward_function_reads_the_episodes_environments(trl_file, tokenizer):
+    class Vault:
+        def __init__(self, reward):
+            self.reward = reward
+
+    episodes = [Episode(messages=[{"role": "assistant", "content": "5"}], environment=Vault(r)) for r in (1.0, 0.25)]
+    inputs = trl_inputs(tokenizer, [{"prompt": CONVERSATION, "solution": "5"}] * 2, ["5", "5"], episodes=episodes)
+    assert [s["overall"] for s in RewardFunction(RewardConfig(f"{trl_file}:vault"))(inputs)] == [1.0, 0.25]
+
+
+def test_a_trl_reward_functions_faults_are_named(trl_file, tokenizer):
+    inputs = trl_inputs(tokenizer, [{"prompt": "3 + 4?", "solution": "7"}] * 2, ["7", "7"])
+    with pytest.raises(RewardError, match="--reward.kwargs \\['trainer_state'\\] are TRL's own arguments"):
+        RewardFunction(RewardConfig(f"{trl_file}:accuracy", kwargs={"trainer_state": 1}))
+    with pytest.raises(RewardError, match="--reward.kwargs \\['scale'\\] are not among its parameters"):
+        RewardFunction(RewardConfig(f"{trl_file}:no_kwargs", kwargs={"scale": 1}))
+    no_column = [{**inp, "row": {"prompt": "3 + 4?", "answer": "7"}} for inp in inputs]
+    with pytest.raises(RewardError, match=r"takes \['solution'\], neither a column of the dataset \(its columns: "
+                                          r"\['answer', 'prompt'\]\)"):
+        RewardFunction(RewardConfig(f"{trl_file}:no_kwargs"))(no_column)
+    with pytest.raises(RewardError, match="returned 1 results for 2 samples"):
+        RewardFunction(RewardConfig(f"{trl_file}:short"))(inputs)
+    with pytest.raises(RewardError, match="returned 1.0, expected a dict .* takes a parameter named `completions`"):
+        RewardFunction(RewardConfig(f"{trl_file}:project_batch", batch=True))(inputs)
