@@ -8,10 +8,18 @@ A call past its time in a thread is abandoned, not stopped (Python cannot kill a
 and its result is dropped. So that a call that hangs holds a bounded number of threads, the calls still running past
 their time are counted by what they call (their `name`), and once STRAY_CALLS of one name are, its next calls are
 refused at once until those end. A call stuck in C code that holds the GIL stalls the rank regardless.
+
+A call's thread may not end or fork the trainer's process: os._exit ends it with no word of why (the trainer's own
+exit paths skip the interpreter's teardown with it), and a child of os.fork would go on running the trainer. Inside a
+call's thread they raise Refused instead, the call's failure (guard_process); a guard against accidents of code that
+runs in the trainer's process, not a sandbox: a thread the call starts, or C code, is out of its reach. sys.exit
+needs no guard: in a thread it raises SystemExit, the call's failure as any exception is.
 """
 
 import asyncio
 import concurrent.futures
+import functools
+import os
 import signal
 import threading
 import time
@@ -22,6 +30,7 @@ from typing import Any
 
 STRAY_CALLS = 64  # calls of one name still running past their time limit; more and its next calls are refused
 _strays: dict[str, list[threading.Thread]] = {}  # per name: its abandoned calls, until they end
+_calling = threading.local()  # `name` in a call's thread: what it calls
 
 
 @dataclass
@@ -44,14 +53,16 @@ class Outcome:
 
 def run_at_once(calls: list[Call]) -> list[Outcome]:
     """Every call at once, one daemon thread each, the outcomes in the order of the calls. What a call raises is its
-    error, SystemExit and KeyboardInterrupt too (raised in its thread, they are the call's, not the run's); a call still
-    running after its timeout is abandoned (timed out); a call whose name has STRAY_CALLS abandoned calls still running
-    is not made (refused)."""
+    error, SystemExit and KeyboardInterrupt too (raised in its thread, they are the call's, not the run's), and an
+    os._exit or os.fork in it raises Refused (guard_process); a call still running after its timeout is abandoned
+    (timed out); a call whose name has STRAY_CALLS abandoned calls still running is not made (refused)."""
     outcomes: list[Outcome | None] = [None] * len(calls)
+    guard_process()
     for threads in _strays.values():
         threads[:] = [thread for thread in threads if thread.is_alive()]
 
     def work(i: int, call: Call) -> None:
+        _calling.name = call.name
         start = time.perf_counter()
         try:
             outcomes[i] = Outcome(call.run(), seconds=time.perf_counter() - start)
@@ -79,6 +90,34 @@ def run_at_once(calls: list[Call]) -> list[Outcome]:
             done[i] = Outcome(error=f"{calls[i].name} ran past the time limit of {calls[i].timeout:g} s",
                               seconds=calls[i].timeout, timed_out=True)
     return done
+
+
+class Refused(BaseException):
+    """Raised in a call's thread by os._exit, os.fork or os.forkpty (guard_process). Not an Exception, so that the
+    call's own `except Exception:` cannot swallow it."""
+
+
+PROCESS_ENDS = {"_exit": "would end the trainer's process", "fork": "would copy the trainer's process, whose child "
+                "would go on running the trainer (start a process with subprocess, or multiprocessing's spawn)"}
+PROCESS_ENDS["forkpty"] = PROCESS_ENDS["fork"]
+
+
+def guard_process() -> None:
+    """os._exit, os.fork and os.forkpty replaced, once, by versions that raise Refused in a call's thread (run_at_once)
+    and are the originals anywhere else."""
+    for name, why in PROCESS_ENDS.items():
+        original = getattr(os, name)
+        if getattr(original, "refused_in_calls", False):
+            continue
+
+        @functools.wraps(original)
+        def guarded(*args, original=original, name=name, why=why):
+            if getattr(_calling, "name", ""):
+                raise Refused(f"os.{name}({', '.join(map(repr, args))}) {why}")
+            return original(*args)
+
+        guarded.refused_in_calls = True
+        setattr(os, name, guarded)
 
 
 # ---------------------------------------------------------------------------------------------------
