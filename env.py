@@ -107,9 +107,9 @@ class Episode:
     seconds: float = 0.0  # spent in the environment's calls, summed (they overlap in time)
     stop_reason: str = ""  # one of STOP_REASONS
     environment: Any = None
-    """The user's environment object (None for tool functions alone), which `--reward.function env`
-    reads. It stays on its rank: an episode sent to another rank (sequence parallelism) travels
-    without it."""
+    """The user's environment object (None for tool functions alone; Unmade where its class raised
+    when made), which `--reward.function env` reads. It stays on its rank: an episode sent to
+    another rank (sequence parallelism) travels without it."""
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "environment": None}
@@ -125,14 +125,25 @@ class Reply:
     seconds: float = 0.0
     # a call still running past its time limit: the environment can answer nothing more
     busy: bool = False
+    error: str = ""  # the first failed call's error, which the console shows once a run
 
     def failed(self, error: str, busy: bool = False) -> None:
         """A failed call: counted, and its error in what the model reads (`busy`: the environment
         can answer nothing more)."""
         self.errors += 1
         self.busy |= busy
+        self.error = self.error or error
         if self.messages is not None:
             self.messages.append({"role": "user", "content": f"error: {error}"})
+
+
+@dataclass
+class Unmade:
+    """The environment of an episode whose class raised (or ran past its time limit) when made: the
+    episode's failure, counted. It keeps no score, so `--reward.function env` scores the episode
+    0."""
+
+    error: str
 
 
 def observation_parts(value, max_chars: int, processor=None) -> list:
@@ -163,7 +174,7 @@ def check_images(parts: list, processor) -> None:
 def observation_messages(value, max_chars: int, processor=None) -> list[dict]:
     """An observation as the messages of a turn: messages as they are ({"role", "content"} dicts,
     their content read as parts), anything else one user message of its parts
-    (observation_parts)."""
+    (observation_parts); the whole answer cut to `max_chars` (cut_answer)."""
     messages = [value] if isinstance(value, dict) else value
     if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
         return [{"role": "user",
@@ -172,8 +183,9 @@ def observation_messages(value, max_chars: int, processor=None) -> list[dict]:
         if not isinstance(message.get("role"), str) or "content" not in message:
             raise ValueError(f"returned the message {message!r:.60}; a message is "
                              f"{{'role': ..., 'content': ...}}")
-    return [{**m, "content": content(observation_parts(m["content"], max_chars, processor))}
+    read = [{**m, "content": observation_parts(m["content"], max_chars, processor)}
             for m in messages]
+    return [{**m, "content": content(m["content"])} for m in cut_answer(read, max_chars)]
 
 
 def cut(parts: list, max_chars: int) -> list:
@@ -191,6 +203,34 @@ def cut(parts: list, max_chars: int) -> list:
         kept.append(part)
     last = max(i for i, part in enumerate(kept) if isinstance(part, str))
     kept[last] += f" [... {total - max_chars} more characters]"
+    return kept
+
+
+def cut_answer(messages: list[dict], max_chars: int) -> list[dict]:
+    """A turn's answer, its messages' contents as parts, with their text cut to `max_chars`
+    characters in all and to one message a token of the budget (max_chars //
+    RESULT_CHARS_PER_TOKEN: each costs a token at least; 0: as they are), what was left out said at
+    the end of the last message kept. 40,000 messages of "ok" with max_chars 800 -> the first 100,
+    the last's "ok [... 39,900 more messages, 79,800 more characters]"."""
+    most = max(1, max_chars // RESULT_CHARS_PER_TOKEN)
+    lengths = [sum(len(part) for part in m["content"] if isinstance(part, str)) for m in messages]
+    if not max_chars or len(messages) <= most and sum(lengths) <= max_chars:
+        return messages
+    kept, left = [], max_chars
+    for message in messages[:most]:
+        parts = [part[:left] if isinstance(part, str) else part for part in message["content"]]
+        kept.append({**message, "content": parts})
+        left -= sum(len(part) for part in parts if isinstance(part, str))
+        if left == 0:
+            break
+    characters, dropped = sum(lengths) - (max_chars - left), len(messages) - len(kept)
+    note = ", ".join([f"{dropped:,} more messages"] * bool(dropped)
+                     + [f"{characters:,} more characters"] * bool(characters))
+    last = kept[-1]["content"]
+    if last and isinstance(last[-1], str):
+        last[-1] += f" [... {note}]"
+    else:
+        last.append(f"[... {note}]")
     return kept
 
 
@@ -227,18 +267,26 @@ class Environment:
         if self.cls is None:
             return []
         arguments = copy.deepcopy(row)
+        self.instance = Unmade("")  # until made
 
         def begin():
-            self.instance = self.cls()
-            reset = getattr(self.instance, "reset", None)
+            try:
+                instance = self.cls()
+            # in its thread, as reset's failure would be: the episode's, named as the class's
+            except BaseException as error:  # noqa: BLE001
+                self.instance = Unmade(f"{self.name}() raised {type(error).__name__}: {error}")
+                raise
+            self.instance = instance
+            reset = getattr(instance, "reset", None)
             return None if reset is None else reset(**reset_arguments(reset, arguments))
 
         return [Call(f"{self.name}.reset", begin, self.timeout)]
 
     def started(self, outcomes: list[Outcome]) -> Reply:
         """reset's answer: the end of the prompt's user turn (at most one user message), or an error
-        said there. An instance that could not be made can answer nothing more."""
+        said there. An instance that could not be made (Unmade) can answer nothing more."""
         reply = Reply([], calls=len(outcomes), seconds=sum(o.seconds for o in outcomes))
+        unmade = isinstance(self.instance, Unmade)
         for outcome in outcomes:
             if not outcome.error and outcome.value is not None:
                 try:
@@ -246,8 +294,11 @@ class Environment:
                     reply.messages.append({"role": "user", "content": content(parts)})
                 except ValueError as problem:
                     outcome.error = f"{self.name}.reset {problem}"
+            if outcome.error and unmade:  # its class raised, or the call was not made or ended
+                self.instance.error = self.instance.error or outcome.error
             if outcome.error:
-                reply.failed(outcome.error, outcome.timed_out or self.instance is None)
+                reply.failed(self.instance.error if unmade else outcome.error,
+                             outcome.timed_out or unmade)
         return reply
 
     def turn(self, text: str, final: bool, images: list) -> tuple[dict, list[Call]]:
@@ -447,6 +498,7 @@ class EpisodeRollout:
         self.engine, self.cfg, self.environments, self.device = engine, cfg, environments, device
         self.tokenizer, self.processor, self.opens_prompt = tokenizer, processor, opens_prompt
         self.render = Renderer(tokenizer, processor, schemas)
+        self.warned: set[str] = set()  # the kinds of failure said on the console (warn_once)
         if self.render.ignores_tools() and first_to_report("template ignores tools"):
             print("warning: the chat template ignores `tools`, so the model is not shown the "
                   f"tools ({', '.join(s['function']['name'] for s in schemas)}) and knows them "
@@ -490,25 +542,47 @@ class EpisodeRollout:
 
     def start(self, plays: list[Play]) -> None:
         """Every episode's start at once (an environment class's reset); where the prompt is left
-        open, its answer, the end of the prompt's user turn, begins the response."""
+        open, its answer, the end of the prompt's user turn, begins the response. An episode that
+        fails to start goes on, its failure counted and the first said on the console; the step's
+        episodes all failing, over all ranks, is the run's error: it would train on nothing."""
         calls = [play.environment.start(play.item["row"]) for play in plays]
         outcomes = iter(run_at_once([call for play_calls in calls for call in play_calls]))
+        failures = []
         for play, play_calls in zip(plays, calls):
             reply = play.environment.started([next(outcomes) for _ in play_calls])
             play.response.episode.environment = play.environment.instance
+            if self.opens_prompt:
+                self.end_prompt(play, reply)
             self.count(play.response.episode, reply)
-            if not self.opens_prompt:
-                continue
-            ids, images = self.render.ending_prompt(reply.messages)
-            # no room to generate
-            if self.length(play.response, ids, images) >= self.cfg.max_response_length:
-                reply.messages = []
-                play.response.episode.errors += 1
-                ids, images = self.render.ending_prompt([])
-            self.append_given(play.response, ids, images)
-            play.response.episode.messages += reply.messages
-            if reply.busy:  # its first turn is generated, and then it ends
-                play.response.episode.stop_reason = "errors"
+            if reply.error:
+                failures.append(reply.error)
+        if not self.opens_prompt:  # no class: nothing to start
+            return
+        if failures:
+            self.warn_once("start", f"warning: an episode failed to start: {failures[0]}; it goes "
+                           "on without reset's answer, counted in `episode/errors` from now on "
+                           "without a message")
+        totals = all_reduce({"episodes": len(plays), "failed": len(failures)}, self.device)
+        if int(totals["failed"]) == int(totals["episodes"]) > 0:
+            first = f", the first: {failures[0]}" if failures else ""  # this rank's
+            raise ValueError(f"--rollout.env {self.cfg.env!r}: all {int(totals['episodes'])} "
+                             f"episodes of the step failed to start{first}")
+
+    def end_prompt(self, play: Play, reply: Reply) -> None:
+        """reset's answer, the end of the prompt's user turn, as the response's beginning; one too
+        long to leave a token to generate is left out, a failed start."""
+        ids, images = self.render.ending_prompt(reply.messages)
+        if self.length(play.response, ids, images) >= self.cfg.max_response_length:
+            reply.failed(f"{play.environment.name}.reset's answer is {len(ids):,} tokens with the "
+                         "end of the user's turn, which leaves none of "
+                         f"--rollout.max-response-length {self.cfg.max_response_length} to "
+                         "generate: raise it")
+            reply.messages = []
+            ids, images = self.render.ending_prompt([])
+        self.append_given(play.response, ids, images)
+        play.response.episode.messages += reply.messages
+        if reply.busy:  # its first turn is generated, and then it ends
+            play.response.episode.stop_reason = "errors"
 
     def first_turns(self, plays: list[Play], prompts: list[dict], n: int,
                     generate: Callable) -> list[Response]:
@@ -549,6 +623,10 @@ class EpisodeRollout:
         given."""
         response, episode, cfg = play.response, play.response.episode, self.cfg
         self.count(episode, reply)
+        if reply.error:
+            self.warn_once("answer", f"warning: {reply.error}; the model reads the error, "
+                           "--rollout.max-env-errors of them end the episode, counted in "
+                           "`episode/errors` from now on without a message")
         if reply.messages is None:
             episode.stop_reason = "length" if response.truncated else "done"
         elif reply.busy or cfg.max_env_errors and episode.errors >= cfg.max_env_errors:
@@ -570,6 +648,14 @@ class EpisodeRollout:
         episode.calls += reply.calls
         episode.errors += reply.errors
         episode.seconds += reply.seconds
+
+    def warn_once(self, kind: str, message: str) -> None:
+        """The first of a kind of the environment's failures on the console, once over all ranks and
+        the run (as a reward's first failure is); the later ones only counted."""
+        if kind not in self.warned:
+            self.warned.add(kind)
+            if first_to_report(f"environment failed: {kind}"):
+                print(message, file=sys.stderr, flush=True)
 
     def append_given(self, response: Response, ids: list[int], images: list) -> None:
         response.token_ids += ids
@@ -687,6 +773,29 @@ class TextArenaGame:
 
 
 ENVIRONMENTS = {"toy": ToyVault}
+SINGLE_PLAYER = "single-player games include GuessTheNumber-v0, Mastermind-v0, TowerOfHanoi-v0"
+
+
+def check_one_player(game: str, spec: str) -> None:
+    """At start-up: the TextArena `game` is played by one player. A game says how many it takes only
+    when reset, so it is reset once here, for one player (Python's random, which the game seeds, put
+    back as it was); a refusal that speaks of players is one line naming --rollout.env. Any other
+    failure is left to the episodes' resets, where it is said."""
+    import random
+
+    import textarena
+
+    state = random.getstate()
+    try:
+        with TextArenaGame.LOCK:
+            textarena.make(f"{game}-raw").reset(num_players=1, seed=0)
+    except Exception as error:
+        if "player" in str(error).lower():
+            raise ValueError(f"--rollout.env {spec!r}: {game} is not a game of one player ("
+                             f"{error}); TextArenaGame plays one side only, and TextArena's "
+                             f"{SINGLE_PLAYER}") from None
+    finally:
+        random.setstate(state)
 
 
 @dataclass
@@ -743,8 +852,8 @@ def environment_class(spec: str):
         game = spec.removeprefix("textarena:")
         if game not in ENV_REGISTRY:
             raise ValueError(f"--rollout.env {spec!r}: TextArena has no game {game!r} (its "
-                             "single-player games include GuessTheNumber-v0, Mastermind-v0, "
-                             "TowerOfHanoi-v0)")
+                             f"{SINGLE_PLAYER})")
+        check_one_player(game, spec)
         return type(f"TextArena_{game}", (TextArenaGame,), {"game": game})
     return load_object(spec, "env", "--rollout.env",
                        f"a built-in ({', '.join(ENVIRONMENTS)}), textarena:GAME")

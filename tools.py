@@ -36,9 +36,10 @@ Design decisions:
   model can read, and a turn the parser cannot read, get an error message as the result, counted in
   `episode/errors`; --rollout.max-env-errors of them end the episode. A tool gets copies of the row
   and the images; its text is cut at env.RESULT_CHARS_PER_TOKEN characters a token of the budget
-  before it is rendered. A tool stuck in C code that holds the GIL stalls the rank regardless (the
-  built-in calculator refuses powers of over 300 digits for this); one that must be killed
-  (untrusted code) runs its work in a subprocess of its own.
+  before it is rendered, and so is the text of all a turn's results together (env.cut_answer). A
+  tool stuck in C code that holds the GIL stalls the rank regardless (the built-in calculator
+  refuses powers of over 300 digits for this); one that must be killed (untrusted code) runs its
+  work in a subprocess of its own.
 """
 
 import ast
@@ -54,7 +55,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from env import Environment, Reply, check_images, content, cut
+from env import Environment, Reply, check_images, content, cut, cut_answer
 from plumbing.calls import Call, Outcome
 from plumbing.loading import load_module, load_object
 
@@ -351,11 +352,12 @@ class ToolEnvironment(Environment):
         for call, outcome in zip(self.calls, outcomes):
             result = (outcome.value if not outcome.error
                       else ToolResult([f"error: {outcome.error}"], outcome.error))
-            reply.messages.append({"role": "tool", "name": call.name,
-                                   "content": content(result.content)})
+            reply.messages.append({"role": "tool", "name": call.name, "content": result.content})
             reply.errors += bool(result.error)
             reply.busy |= (outcome.timed_out and self.instance is not None
                            and call.name in methods(self.instance))
+        reply.messages = [{**m, "content": content(m["content"])}
+                          for m in cut_answer(reply.messages, self.max_chars)]
         return reply
 
     def read(self, text: str) -> list[ToolCall]:

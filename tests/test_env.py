@@ -6,8 +6,13 @@ with the character tokenizer (`ids`); the real Qwen2.5 vocabulary checks that an
 whole conversation's rendering (token in, token out). Engines under torchrun: tests/test_episodes.py.
 """
 
+import itertools
+import os
 import pickle
+import random
+import sys
 import threading
+import time
 
 import datasets
 import pytest
@@ -15,10 +20,11 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer
 
+import env
 import grpo
 from data import DataConfig, PromptDataset, toy_env_rows
-from env import (Episode, EpisodeRollout, RespondEnvironment, TextArenaGame, ToyVault, check_environment,
-                 environment_class, episodes_of)
+from env import (Episode, EpisodeRollout, RespondEnvironment, TextArenaGame, ToyVault, Unmade, check_environment,
+                 cut_answer, environment_class, episodes_of)
 from plumbing.tiny import build_qwen_tokenizer, build_tiny_model
 from rewards import RewardConfig, RewardError, RewardFunction, env_reward, reward_inputs
 from rollout import Response, RolloutConfig
@@ -55,6 +61,14 @@ def episodes(cls, tokenizer, script, rows=({},), processor=None, **changes) -> t
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(build_tiny_model("qwen2", tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture
+def said(monkeypatch, capsys):
+    """The lines the episode loop says on the console, as the first rank to report each (the module's process group
+    keeps a report's key for the whole module otherwise)."""
+    monkeypatch.setattr(env, "first_to_report", lambda key: True)
+    return lambda: capsys.readouterr().err.splitlines()
 
 
 class Higher:
@@ -140,13 +154,14 @@ def test_an_environment_that_never_says_done_sees_the_last_turn_and_ends_at_max_
 
 
 class Broken:
-    """Fails in the way `how` says: reset raises, respond raises, respond hangs, or answers with no observation."""
+    """Fails in the way `how` says: reset raises (where the row does not say otherwise), respond raises, hangs, ends or
+    forks the process, or answers with no observation."""
 
     how = ""
     release = threading.Event()
 
-    def reset(self) -> str:
-        if self.how == "reset raises":
+    def reset(self, fails: bool = True) -> str:
+        if self.how == "reset raises" and fails:
             raise KeyError("no board")
         return ""
 
@@ -155,6 +170,10 @@ class Broken:
             raise ValueError(f"cannot read {turn!r}")
         if self.how == "respond hangs":
             self.release.wait(30)
+        if self.how == "respond exits":
+            os._exit(3)
+        if self.how == "respond forks":
+            os.fork()
         return {"wins": 1} if self.how == "answers a dict" else 42
 
 
@@ -162,23 +181,152 @@ def broken(how: str):
     return type("Broken", (Broken,), {"how": how})
 
 
-def test_an_environment_that_raises_is_an_error_the_model_reads_until_max_env_errors(tokenizer, world_of_one):
-    """respond raising: the model reads `error: ...` and goes on; --rollout.max-env-errors ends the episode."""
+def test_an_environment_that_raises_is_an_error_the_model_reads_until_max_env_errors(tokenizer, world_of_one, said):
+    """respond raising: the model reads `error: ...` and goes on; --rollout.max-env-errors ends the episode. The
+    first failure is said on the console, once, naming the environment and the exception; the others are counted."""
     [[response]], _ = episodes(broken("respond raises"), tokenizer, [[[turn("a")]], [[turn("b")]]], max_env_errors=2)
     message = "error: Broken.respond raised ValueError: cannot read 'a'"
     assert response.token_ids == ENDING + ids("a") + [IM_END] + answer(message) + ids("b") + [IM_END]
     assert (response.episode.stop_reason, response.episode.errors, response.episode.turns) == ("errors", 2, 2)
     assert response.episode.messages[2] == {"role": "user", "content": message}
+    assert said() == ["warning: Broken.respond raised ValueError: cannot read 'a'; the model reads the error, "
+                      "--rollout.max-env-errors of them end the episode, counted in `episode/errors` from now on "
+                      "without a message"]
 
 
-def test_a_reset_that_raises_is_said_where_its_answer_would_be(tokenizer, world_of_one):
-    """reset raising: the error ends the user's turn instead of reset's answer, counted; the episode goes on."""
-    [[response]], _ = episodes(broken("reset raises"), tokenizer, [[[turn("a")]], [[turn("b")]]], max_turns=2,
-                               max_response_length=200)
+@pytest.mark.parametrize("how", ["respond exits", "respond forks"])
+def test_an_environment_that_would_end_or_fork_the_process_fails_its_call(tokenizer, world_of_one, how):
+    """os._exit in respond would end the rank with no word of why, and os.fork's child would go on running the
+    trainer: in an environment's call both raise instead, the call's failure, which the model reads."""
+    pid = os.getpid()
+    [[response]], _ = episodes(broken(how), tokenizer, [[[turn("a")]], [[turn("b")]]], max_turns=2,
+                               max_response_length=400)
+    assert os.getpid() == pid  # (a forked child would be here too, and fail this)
+    call = "os._exit(3) would end the trainer's process" if how == "respond exits" else (
+        "os.fork() would copy the trainer's process, whose child would go on running the trainer")
+    assert response.episode.messages[2]["content"].startswith(f"error: Broken.respond raised Refused: {call}")
+    assert (response.episode.stop_reason, response.episode.errors) == ("max_turns", 2)
+
+
+def test_a_reset_that_raises_is_said_where_its_answer_would_be(tokenizer, world_of_one, said):
+    """reset raising: the error ends the user's turn instead of reset's answer, counted; the episode goes on, and
+    another episode of the step starts as usual. The first failure is said on the console, once."""
+    [[response], [other]], _ = episodes(broken("reset raises"), tokenizer, [[[turn("a")], [turn("a")]],
+                                                                            [[turn("b")], [turn("b")]]],
+                                        rows=[{}, {"fails": False}], max_turns=2, max_response_length=200)
     assert response.token_ids[:len(ids("error: Broken.reset raised KeyError: 'no board'"))] == ids(
         "error: Broken.reset raised KeyError: 'no board'")
     # and both answers, 42, are no observation: three failed calls, --rollout.max-env-errors' default
     assert response.episode.errors == 3 and response.episode.stop_reason == "errors"
+    assert other.episode.errors == 2 and other.token_ids[:len(ENDING)] == ENDING
+    start, answers = said()  # the first failed start, the first failed answer (42s): once each
+    assert start == ("warning: an episode failed to start: Broken.reset raised KeyError: 'no board'; it goes on "
+                     "without reset's answer, counted in `episode/errors` from now on without a message")
+    assert answers.startswith("warning: Broken.respond returned int 42, which is no observation")
+
+
+def test_a_step_whose_every_episode_fails_to_start_is_the_runs_error(tokenizer, world_of_one, said):
+    """Every reset of the step failing (over all ranks), the run would train on nothing: one error naming
+    --rollout.env and the first failure, after the console's warning."""
+    with pytest.raises(ValueError, match=r"^--rollout.env 'x.py:Broken': all 2 episodes of the step failed to start, "
+                                         r"the first: Broken.reset raised KeyError: 'no board'$"):
+        episodes(broken("reset raises"), tokenizer, [], rows=[{}, {}], env="x.py:Broken")
+    assert len(said()) == 1
+
+
+class Flaky:
+    """Made twice: the second time its constructor raises, or calls sys.exit, as `how` says; made, it ends the episode
+    at its first turn with a reward of 1."""
+
+    how = "raises"
+    made = itertools.count()
+
+    def __init__(self):
+        if next(self.made) % 2 == 1:
+            if self.how == "exits":
+                sys.exit(3)
+            raise RuntimeError("no board")
+        self.reward = 1.0
+
+    def respond(self, turn: str) -> None:
+        return None
+
+
+@pytest.mark.parametrize("how, error", [("raises", "RuntimeError: no board"), ("exits", "SystemExit: 3")])
+def test_a_class_that_raises_when_made_fails_its_episode_not_the_run(tokenizer, world_of_one, how, error):
+    """A constructor that raises (or exits) for one episode: that episode's failure, named as the class's, counted as
+    a failed reset is; its first turn is generated and the episode ends (stop reason errors); `--reward.function env`
+    scores it 0 and the other episode as its environment kept. Before, the episode's environment was None, which the
+    reward took for a run without --rollout.env: the run's error."""
+    flaky = type("Flaky", (Flaky,), {"how": how, "made": itertools.count()})
+    groups, _ = episodes(flaky, tokenizer, [[[turn("a")], [turn("a")]]], rows=[{}, {}])
+    [made] = [r for [r] in groups if not r.episode.errors]
+    [unmade] = [r for [r] in groups if r.episode.errors]
+    assert unmade.episode.messages[:2] == [{"role": "user", "content": f"error: Flaky() raised {error}"},
+                                           {"role": "assistant", "content": "a"}]
+    assert (unmade.episode.stop_reason, unmade.episode.errors, unmade.episode.calls) == ("errors", 1, 1)
+    assert unmade.episode.environment == Unmade(f"Flaky() raised {error}")
+    assert made.episode.stop_reason == "done"
+    scores = [env_reward(inp)["overall"] for inp in reward_inputs(tokenizer, [item({}), item({})], groups)]
+    assert scores == [float(response is made) for [response] in groups]
+
+
+class Rules:
+    """reset answers with the row's rules, however long."""
+
+    def reset(self, rules: str) -> str:
+        return rules
+
+    def respond(self, turn: str) -> None:
+        return None
+
+
+def test_a_reset_answer_too_long_for_the_budget_is_a_failed_start_said_with_its_length(tokenizer, world_of_one,
+                                                                                         said):
+    """An answer of 120 characters (133 tokens with the end of the user's turn) leaves nothing of a budget of 96 to
+    generate: the episode begins without it, a failed call, said once on the console with the count; a short one in
+    the same step is shown."""
+    [[cut], [shown]], _ = episodes(Rules, tokenizer, [[[turn("a")], [turn("a")]]],
+                                   rows=[{"rules": "r" * 120}, {"rules": "go"}])
+    problem = ("Rules.reset's answer is 133 tokens with the end of the user's turn, which leaves none of "
+               "--rollout.max-response-length 96 to generate: raise it")
+    assert cut.token_ids == ENDING + ids("a") + [IM_END] and cut.episode.errors == 1
+    assert shown.token_ids == ids("go") + ENDING + ids("a") + [IM_END] and shown.episode.errors == 0
+    assert said() == [f"warning: an episode failed to start: {problem}; it goes on without reset's answer, counted "
+                      "in `episode/errors` from now on without a message"]
+
+
+class Flood:
+    """Answers every turn with 40,000 short messages."""
+
+    def reset(self) -> None:
+        return None
+
+    def respond(self, turn: str) -> list[dict]:
+        return [{"role": "user", "content": "ok"}] * 40_000
+
+
+def test_an_answer_of_40000_messages_is_cut_as_a_whole_and_quickly(tokenizer, world_of_one):
+    """The cut on an answer's size is on the whole answer, not each message: its text at 8 characters a token of the
+    budget in all, and one message a token (96 here); so the 40,000 messages cost the turn the rendering of 96 (before:
+    all 40,000, seconds with the tiny model's template), and the answer, still too long to follow, ends the episode
+    (stop reason length, counted in `episode/stop_length`)."""
+    engine = ScriptedEngine([[[turn("a")]]])
+    cfg = RolloutConfig(n=1, max_response_length=96, max_turns=4, max_turn_tokens=0)
+    rollout = EpisodeRollout(engine, cfg, lambda: RespondEnvironment(Flood, cfg.env_timeout, 8 * 96), tokenizer, None,
+                             torch.device("cpu"), opens_prompt=True)
+    rendered, after_turn = [], rollout.render.after_turn
+    rollout.render.after_turn = lambda messages, ended: rendered.append(len(messages)) or after_turn(messages, ended)
+    start = time.perf_counter()
+    [[response]] = rollout.generate([item({})], 3)
+    assert time.perf_counter() - start < 2
+    assert rendered == [96] and (response.episode.stop_reason, response.episode.turns) == ("length", 1)
+    [kept] = [m["content"] for m in cut_answer([{"role": "user", "content": ["ok"]}] * 40_000, 800)[-1:]]
+    assert kept == ["ok [... 39,900 more messages, 79,800 more characters]"]
+    assert cut_answer([{"role": "user", "content": ["abc"]}, {"role": "tool", "content": ["defgh"]}], 64) == [
+        {"role": "user", "content": ["abc"]}, {"role": "tool", "content": ["defgh"]}]
+    assert cut_answer([{"role": "user", "content": ["abc"]}, {"role": "tool", "content": ["defgh"]}], 16 + 4) == [
+        {"role": "user", "content": ["abc"]}, {"role": "tool", "content": ["defgh"]}]
 
 
 @pytest.mark.parametrize("how, error", [
@@ -222,9 +370,15 @@ class Picture:
 
 
 def test_an_image_to_a_text_model_is_an_error(tokenizer, world_of_one):
-    [[response]], _ = episodes(Picture, tokenizer, [[[turn("a")]]], max_turns=1)
-    assert response.episode.messages[0] == {"role": "user", "content": "error: Picture.reset returned an image, but "
-                                                                       "the model reads text only"}
+    """respond's picture is an error the model reads; reset's, in every episode, fails every start: the run's
+    error."""
+    says_look = type("Picture", (Picture,), {"reset": lambda self: "look"})
+    [[response]], _ = episodes(says_look, tokenizer, [[[turn("a")]], [[turn("b")]]], max_turns=2,
+                               max_response_length=200)
+    assert response.episode.messages[2] == {"role": "user", "content": "error: Picture.respond returned an image, "
+                                                                       "but the model reads text only"}
+    with pytest.raises(ValueError, match="the first: Picture.reset returned an image, but the model reads text only"):
+        episodes(Picture, tokenizer, [[[turn("a")]]], max_turns=1)
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +428,19 @@ def test_a_textarena_game_is_played_turn_by_turn(tokenizer, world_of_one):
     assert response.episode.stop_reason == "done" and response.episode.environment.reward == 1.0
     with pytest.raises(ValueError, match="TextArena has no game 'Nothing-v0'"):
         environment_class("textarena:Nothing-v0")
+
+
+def test_a_textarena_game_of_two_players_is_refused_at_start_up():
+    """TextArenaGame plays one side: a two-player game (its reset for one player raises, at start-up) is one line
+    naming --rollout.env; the trial leaves Python's random as it was (the game seeds it)."""
+    with pytest.raises(ValueError, match=r"^--rollout.env 'textarena:TicTacToe-v0': TicTacToe-v0 is not a game of one "
+                                         r"player \(The number of players has to be 2, received 1\)"):
+        environment_class("textarena:TicTacToe-v0")
+    random.seed(5)
+    drawn = random.random()
+    random.seed(5)
+    environment_class("textarena:GuessTheNumber-v0")
+    assert random.random() == drawn
 
 
 class Counter:
