@@ -430,6 +430,17 @@ def test_a_huge_result_is_cut_before_it_is_rendered():
     assert cut(["abc", image, "d"], 3) == ["abc [... 1 more characters]", image] and cut(["ab"], 2) == ["ab"]
 
 
+def test_a_turns_results_are_cut_as_a_whole():
+    """Three calls of 60 characters each with max_chars 100: each fits, their sum does not; the turn's answer is cut
+    as a whole (env.cut_answer), the cut said where it is, and every call counted."""
+    environment = ToolEnvironment(None, {"say": returns("x" * 60)}, load_parser("qwen"), ToolConfig(), 30.0, 100)
+    call = '<tool_call>{"name": "say", "arguments": {}}</tool_call>'
+    _, calls = environment.turn(call * 3, False, [])
+    reply = environment.answered(run_at_once(calls))
+    assert [m["content"] for m in reply.messages] == ["x" * 60, "x" * 40 + " [... 1 more messages, 80 more characters]"]
+    assert (reply.calls, reply.errors) == (3, 0)
+
+
 def test_a_tool_that_hangs_holds_a_bounded_number_of_threads(monkeypatch):
     """Calls past their time limit are abandoned, still running; once a tool has STRAY_CALLS of them its calls are
     refused at once (an error the model reads), so turn after turn of a hanging tool does not add a thread per call
