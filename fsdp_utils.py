@@ -370,6 +370,24 @@ def reshard(model: torch.nn.Module) -> None:
 
 
 @contextmanager
+def weights_replaced(model: torch.nn.Module, tensors: dict):
+    """The model's parameters named in `tensors` (this rank's shards, as named_parameters names
+    them) hold those until the context ends, then their own again, bitwise: an engine a step behind
+    is streamed the weights it held (rollout.start_engine)."""
+    params = dict(model.named_parameters())
+    own = {name: params[name].detach().clone() for name in tensors}
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for name, tensor in own.items():
+                params[name].copy_(tensor)
+
+
+@contextmanager
 def gathered(model: torch.nn.Module):
     """Every FSDP unit's full parameters, gathered once, for many forwards without a collective
     (generation).

@@ -59,7 +59,7 @@ from plumbing.attention import attention_line
 from plumbing.balance import balance_over_ranks
 from plumbing.checkpoints import (agree_on_resume_point, hold_run_folder, load_model,
                                   prepare_run_folder, read_state, resume, save_checkpoint,
-                                  stop_note)
+                                  stop_note, trainable_copy)
 from plumbing.cli import check_flags, default_run_name, parse_command_line
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
 from plumbing.console import (INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_libraries,
@@ -544,7 +544,7 @@ def main(cfg: Config) -> None:
                                    offload=cfg.actor.offload_while_generating)
     rollout = start_engine(cfg.rollout, run.model_path,
                            cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-                           actor, training_state, run.first_step - 1 if start is not None else None)
+                           actor, training_state, start)
     if episodes:  # the engine, playing whole episodes
         rollout = EpisodeRollout(rollout, cfg.rollout, episodes.environment, tokenizer, processor,
                                  device, episodes.opens_prompt, episodes.schemas)
@@ -601,10 +601,13 @@ def main(cfg: Config) -> None:
                 with timer("balance"):
                     batch = balance_over_ranks(batch, mini_batch, tokenizer.pad_token_id,
                                                sp.data_parallel)
-            # the engine takes the weights the update starts from: a step behind at the next
+            # the engine takes the weights the update starts from: a step behind at the next (this
+            # step's checkpoint keeps them, for its resume to give the engine the same)
+            engine_weights = None
             if cfg.rollout.staleness:
                 with timer("sync"):
                     rollout.sync_weights(actor, version=step - 1)
+                engine_weights = trainable_copy(actor) if saves_at(cfg, step) else None
             with timer("update"):
                 update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg, sp,
                                                                teacher)
@@ -634,11 +637,11 @@ def main(cfg: Config) -> None:
             # before the checkpoint: a resume from it never misses this
             trackers.log(metrics, step, samples[:4])
             progress.step(step, metrics)
-            if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or last):
+            if saves_at(cfg, step):
                 state = {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                          **kl.state_dict(), "score": metrics.get(cfg.trainer.best_metric),
                          **run.job}
-                save(cfg, run, step, actor, optimizer, state, say=progress.print)
+                save(cfg, run, step, actor, optimizer, state, progress.print, engine_weights)
     finish(cfg, run, actor, processor or tokenizer, progress, trackers, rollout)
 
 
@@ -701,12 +704,20 @@ def validate_first(rollout, val_items: list, scoring: Scoring, device, trackers,
                   + json.dumps({k: round(v, 4) for k, v in val_metrics.items()}))
 
 
-def save(cfg: Config, run: Run, step: int, actor, optimizer, state: dict, say) -> None:
+def saves_at(cfg: Config, step: int) -> bool:
+    """Whether step `step` ends with a checkpoint: every --trainer.save-freq steps, and the last."""
+    return bool(cfg.trainer.save_freq) and (step % cfg.trainer.save_freq == 0
+                                            or step == cfg.trainer.total_steps)
+
+
+def save(cfg: Config, run: Run, step: int, actor, optimizer, state: dict, say,
+         engine_weights: dict | None) -> None:
     """Step `step`'s checkpoint, with the trainer's `state` (scheduler, loader, the KL coefficient,
-    the score that ranks it, the job), under the save limit (plumbing/checkpoints.py)."""
+    the score that ranks it, the job) and the engine's weights where they are not the actor's (a
+    step behind), under the save limit (plumbing/checkpoints.py)."""
     save_checkpoint(run.folder, step, actor, optimizer, state,
                     model_only=cfg.trainer.save_model_only, save_limit=cfg.trainer.save_limit,
-                    best_metric=cfg.trainer.best_metric, say=say)
+                    best_metric=cfg.trainer.best_metric, say=say, engine_weights=engine_weights)
 
 
 def check_data(cfg: Config, train_set, val_set, world: int) -> None:

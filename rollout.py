@@ -52,8 +52,9 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from data import PromptItem
-from fsdp_utils import gathered, stream_full_weights
+from fsdp_utils import gathered, stream_full_weights, weights_replaced
 from plumbing.attention import has_linear_attention
+from plumbing.checkpoints import load_engine_weights, read_state
 from vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language, placeholder_token_ids,
                     vision_inputs)
 
@@ -148,18 +149,24 @@ def build_rollout(cfg: RolloutConfig, model_path: str, max_model_len: int, devic
 
 
 def start_engine(cfg: RolloutConfig, model_path: str, max_model_len: int, actor, state,
-                 resumed_step: int | None):
+                 checkpoint: Path | None):
     """The engine, started with the training state (fsdp_utils.TrainingState) in host memory when it
     is offloaded while generating; a resumed run's engine then gets the resumed weights: it sleeps
     (GPU) before the state comes back to the device for the stream, which moves the state out again
     before the engine's KV cache wakes. The loop keeps that order: after generating, `sleep()` then
-    `state.to_device()`; after the update, `sync_weights(actor, step, on_loaded=state.to_host)`."""
+    `state.to_device()`; after the update, `sync_weights(actor, step, on_loaded=state.to_host)`.
+    An engine a step behind (--rollout.staleness) gets the weights of the step before the
+    checkpoint's, which the checkpoint keeps: the resumed run samples as the straight one did."""
     state.to_host()
     rollout = build_rollout(cfg, model_path, max_model_len, state.device, actor)
-    if resumed_step is not None:
+    if checkpoint is not None:
+        step = read_state(checkpoint)["step"]
+        behind = load_engine_weights(checkpoint, actor) if cfg.staleness else None
         rollout.sleep()
         state.to_device()
-        rollout.sync_weights(actor, version=resumed_step, on_loaded=state.to_host)
+        with weights_replaced(actor, behind or {}):
+            rollout.sync_weights(actor, version=step - 1 if behind else step,
+                                 on_loaded=state.to_host)
     return rollout
 
 

@@ -167,11 +167,13 @@ def describe_job(job: dict) -> str:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, *, model_only: bool,
-                    save_limit: int, best_metric: str, say=lambda message: None) -> Path:
+                    save_limit: int, best_metric: str, say=lambda message: None,
+                    engine_weights: dict | None = None) -> Path:
     """Write step `step`'s checkpoint (collective: every rank writes its shards and RNG state), commit it by
     rename, refresh tracker.json, then apply the save limit, and `say` where it went and how long it took.
-    `trainer_state` must hold the `score`. A full disk ends the run with one message; the unfinished folder is
-    deleted and the earlier checkpoints stay valid."""
+    `trainer_state` must hold the `score`. `engine_weights`: the trained parameters the rollout engine holds when
+    they are not the model's (an engine a step behind, trainable_copy), for the resume to give it the same. A full
+    disk ends the run with one message; the unfinished folder is deleted and the earlier checkpoints stay valid."""
     start = time.perf_counter()
     final = step_folder(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -185,13 +187,15 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
         else:
             model_state, optimizer_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optimizer": optimizer_state}
+        if engine_weights is not None:
+            state["engine"] = engine_weights
         dcp.save(state, checkpoint_id=tmp / "model_optimizer")
         torch.save(rng_state(), tmp / "rng" / f"rank_{dist.get_rank()}.pt")
         dist.barrier()  # every shard is on disk
         if dist.get_rank() == 0:
             (tmp / "trainer_state.json").write_text(json.dumps(
                 {**trainer_state, "step": step, "model_only": model_only, "world_size": dist.get_world_size(),
-                 "best_metric": best_metric}, indent=2))
+                 "best_metric": best_metric, "engine_weights": engine_weights is not None}, indent=2))
             hold_before_commit(tmp, step)
     except (OSError, RuntimeError, CheckpointException) as error:  # DCP raises the ranks' errors on every rank
         need = state_bytes(model, None if model_only else optimizer)
@@ -300,6 +304,21 @@ def load_checkpoint(checkpoint: Path, model, optimizer) -> dict:
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))
     return state
+
+
+def trainable_copy(model) -> dict:
+    """This rank's shards of the parameters that train, copied: what an engine a step behind holds of them."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_engine_weights(checkpoint: Path, model) -> dict | None:
+    """The engine's weights a checkpoint keeps (save_checkpoint's `engine_weights`, sharded as `model`'s
+    parameters now are), or None when it keeps none."""
+    if not read_state(checkpoint).get("engine_weights"):
+        return None
+    tensors = {"engine": trainable_copy(model)}
+    dcp.load(tensors, checkpoint_id=Path(checkpoint) / "model_optimizer")
+    return tensors["engine"]
 
 
 def resume(checkpoint: Path, model, optimizer, scheduler, loader, say) -> dict:

@@ -162,7 +162,8 @@ def test_gpu_engine_settings_sleep_wake_sync_order_and_sampling_rng(gpu_stand_in
 
 
 def test_the_offloaded_state_leaves_before_the_kv_cache_wakes_and_returns_after_the_engine_sleeps(gpu_stand_in,
-                                                                                                  monkeypatch):
+                                                                                                  monkeypatch,
+                                                                                                  tmp_path):
     """--actor.offload-while-generating on GPU: the training state is in host memory whenever the engine's KV cache
     is awake. A resumed run's engine sleeps before the state comes back for the stream of the resumed weights, and
     the state leaves again between the weights' reload and the KV cache's wake (before: after the wake, the
@@ -182,7 +183,8 @@ def test_the_offloaded_state_leaves_before_the_kv_cache_wakes_and_returns_after_
     cfg = grpo.Config()
     state = TrainingState([Sharded()], None, gpu_stand_in, offload=True)
     actor = torch.nn.Linear(2, 2)
-    rollout = start_engine(cfg.rollout, "model", 64, actor, state, resumed_step=4)
+    (tmp_path / "trainer_state.json").write_text('{"step": 4}')  # the checkpoint resumed from
+    rollout = start_engine(cfg.rollout, "model", 64, actor, state, tmp_path)
     assert calls == ["state to cpu", "sleep 2", "state to cuda", "wake weights", "reload 2 tensors", "state to cpu",
                      "wake kv_cache", "reset prefix cache", "reset encoder cache"]
     calls.clear()
