@@ -50,11 +50,14 @@ Design decisions:
 - A respond-style environment sees every generated turn, the last one too: it keeps the score, and
   the last move can decide the game. Its answer is shown only while the episode goes on. A tool call
   in a turn that cannot be followed is not run (TRL's rule): no one would read its result.
-- Failures are the environment's, not the run's: a call that raises (sys.exit too), runs past its
-  time limit, or returns something that is no observation becomes `error: ...`, which the model
-  reads, counted in `episode/errors`; --rollout.max-env-errors of them end the episode, and so does
-  a call that timed out (its environment is still busy with it). An environment that never says done
-  ends at --rollout.max-turns or the token budget.
+- Failures are the environment's, not the run's: a call that raises (sys.exit too; os._exit and
+  os.fork raise: plumbing/calls.py), runs past its time limit, or returns something that is no
+  observation, and a class that raises when made, becomes `error: ...`, which the model reads,
+  counted in `episode/errors`; --rollout.max-env-errors of them end the episode, and so does a call
+  that timed out (its environment is still busy with it) or a class not made. The first failed
+  start and the first failed answer are said on the console, once a run, as a reward's first
+  failure is; a step whose every episode failed to start is the run's error (it would train on
+  nothing). An environment that never says done ends at --rollout.max-turns or the token budget.
 - All the calls of a turn, over all the episodes of the rank, run at once, each in a thread of its
   own within its time limit (plumbing/calls.py): a slow environment costs a turn its time once, not
   once per episode.
@@ -63,7 +66,9 @@ Design decisions:
   with nothing to generate.
 - The whole episode fits --rollout.max-response-length tokens, generated and given (an image counts
   as its tokens); each turn may generate what is left, at most --rollout.max-turn-tokens. An answer
-  that does not fit ends the episode (stop reason `length`) without being added.
+  is cut before it is rendered, as a whole (cut_answer: 40,000 short messages cost what fits); one
+  that still does not fit ends the episode (stop reason `length`) without being added; reset's, a
+  failed start.
 """
 
 import copy

@@ -31,15 +31,16 @@ Design decisions:
   default). A call records its source text, which the turn's message leaves out of its content: the
   episode's messages hold each call once, in `tool_calls`, so that rendering them again (for a
   judge, a reward, a log) shows it once.
-- Tools fail safely: a call that raises (sys.exit too), runs past --tools.timeout, names no tool,
-  has arguments the function does not take, or returns something other than text or an image the
-  model can read, and a turn the parser cannot read, get an error message as the result, counted in
-  `episode/errors`; --rollout.max-env-errors of them end the episode. A tool gets copies of the row
-  and the images; its text is cut at env.RESULT_CHARS_PER_TOKEN characters a token of the budget
-  before it is rendered, and so is the text of all a turn's results together (env.cut_answer). A
-  tool stuck in C code that holds the GIL stalls the rank regardless (the built-in calculator
-  refuses powers of over 300 digits for this); one that must be killed (untrusted code) runs its
-  work in a subprocess of its own.
+- Tools fail safely: a call that raises (sys.exit too; os._exit and os.fork raise:
+  plumbing/calls.py), runs past --tools.timeout, names no tool, has arguments the function does not
+  take, or returns something other than text or an image the model can read, and a turn the parser
+  cannot read, get an error message as the result, counted in `episode/errors`;
+  --rollout.max-env-errors of them end the episode. A tool gets copies of the row and the images;
+  its text is cut at env.RESULT_CHARS_PER_TOKEN characters a token of the budget before it is
+  rendered, and so is the text of all a turn's results together (env.cut_answer). A tool stuck in C
+  code that holds the GIL stalls the rank regardless (the built-in calculator refuses powers of over
+  300 digits for this); one that must be killed (untrusted code) runs its work in a subprocess of
+  its own.
 """
 
 import ast
