@@ -10,18 +10,23 @@ What is enforced, and how (Linux; `protections()` says which of them this machin
 - CPU time: RLIMIT_CPU; memory: RLIMIT_AS, per process; open files: RLIMIT_NOFILE;
 - new processes: none, a seccomp filter fails every fork and every clone but a thread's (x86-64, arm64);
 - file metadata: the same filter fails every change of a file's mode, owner, times or extended attributes, in its
-  folder too (Landlock has no right for them, and the user namespace's root owns the machine's user's files);
+  folder too (Landlock has no right for them, and the user namespace's root owns the machine's user's files), and
+  io_uring, whose operations would make the same changes past the filter;
 - output: the trainer reads `output_bytes` of stdout and of stderr at most, then kills it; RLIMIT_FSIZE bounds a file;
 - files: a private temporary folder (its working directory, HOME and TMPDIR), deleted after; Landlock (Linux 5.13+)
-  forbids writing anywhere else;
+  forbids writing anywhere else, and reading anything but its folder, the interpreter's installation, the system's
+  shared libraries and a few devices (not the run's folder, the user's home, /proc, /etc);
 - network: a network namespace of its own (a loopback that is down, nothing else); Landlock (ABI 4+) forbids TCP too;
-- other processes: a PID namespace of its own, so it can name no process outside it and all it started die with it;
-  Landlock (ABI 6+) keeps its signals inside too;
+- sockets: the filter fails socket() of every kind (a pathname Unix socket is in no namespace) and socketpair() but
+  for a connected stream pair (asyncio's loop makes one);
+- other processes: a PID namespace of its own, so it can name no process outside it and all it started die with it,
+  and an IPC namespace (no other process's System V shared memory, semaphores or queues); Landlock keeps its ptrace
+  inside too, and (ABI 6+) its signals;
 - privileges: a user namespace of its own: even started by root it holds no capability outside it (no reboot, no
   mount, no reading files that are not its user's).
 The namespaces need unprivileged user namespaces or root; where the kernel refuses them, `protections()` says so and
-the code reward refuses to run unless told to accept a weaker sandbox. Reading files is not restricted (nothing read
-can leave: there is no network). Only the standard library is importable.
+the code reward refuses to run unless told to accept a weaker sandbox. Only the standard library is importable.
+docs/sandbox.md says what a program may read, write and reach, and what enforces each.
 """
 
 import asyncio
@@ -60,7 +65,7 @@ class Outcome:
 def protections() -> dict[str, bool]:
     """Which protections of the module docstring this machine grants, by a trial launch: the namespaces (privileges,
     network, other processes), Landlock's rules (files, TCP, signals), the seccomp filter (new processes, file
-    metadata)."""
+    metadata, sockets)."""
     with tempfile.TemporaryDirectory(prefix="sandbox-probe-") as folder:
         status = asyncio.run(_launch(folder, "", Limits(seconds=10), probe=True))[1]
     return status.get("protections", {})
