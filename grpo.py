@@ -227,7 +227,7 @@ def collect_rollouts(rollout, loader: PromptLoader, scoring: Scoring, cfg: Confi
         with timer("generate"):
             responses = rollout.generate(items, version)
             greedy = rollout.generate(items, version, greedy=True) if greedy_baseline else None
-        groups, scores = scoring.start(items, responses)
+        groups, scores = scoring.start(items, responses, step=version)
         # nothing drops groups: the scores may come later
         if not (algo.online_filtering or skip_failed or greedy):
             return groups, {"rollout/sampling_rounds": 1, "rollout/kept_groups_ratio": 1.0,
@@ -671,6 +671,7 @@ def scoring_of(cfg: Config, run: Run, tokenizer, processor) -> tuple[Scoring, An
         reward_model and functools.partial(reward_model_scores, reward_model, processor,
                                            tokenizer.pad_token_id, run.device, cfg.actor),
         cfg.reward.weights)
+    scoring.reward_fn.trainer_state.max_steps = cfg.trainer.total_steps  # a TRL reward's to read
     return scoring, reward_model
 
 

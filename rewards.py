@@ -693,9 +693,13 @@ class Scoring:
     model: Callable[[list, Any], list[float]] | None = None
     weights: dict[str, float] = field(default_factory=dict)
 
-    def start(self, items: list, responses: list[list]) -> tuple[list[Group], "RoundScores"]:
+    def start(self, items: list, responses: list[list], step: int | None = None
+              ) -> tuple[list[Group], "RoundScores"]:
         """Each prompt's group, unscored, and the round's scores, the reward function's call on all
-        of them started (an async reward runs while the caller goes on)."""
+        of them started (an async reward runs while the caller goes on). `step`: the training steps
+        done (a TRL reward function's trainer_state.global_step; validation leaves it as it is)."""
+        if step is not None:
+            self.reward_fn.trainer_state.global_step = step
         return ([Group(item, group) for item, group in zip(items, responses)],
                 RoundScores(self, self.reward_fn.submit(
                     reward_inputs(self.tokenizer, items, responses))))

@@ -13,7 +13,7 @@ from data import DataConfig, PromptDataset, reasoning_gym_rows
 from env import Episode
 from plumbing.tiny import build_tokenizer
 from rewards import (RewardConfig, RewardError, RewardFunction, math_reward, overlong_penalty, r1v_reward,
-                     reasoning_gym_reward, reward_inputs, toy_reward)
+                     Scoring, reasoning_gym_reward, reward_inputs, toy_reward)
 from rollout import Response
 
 
@@ -467,16 +467,21 @@ def tokenizer():
     return build_tokenizer()
 
 
-def trl_inputs(tokenizer, rows: list[dict], responses: list[str], prompt_key="prompt", episodes=None) -> list:
-    """The reward inputs of one response a row, the rows rendered by data.py (a TRL dataset: column `prompt`,
-    answers in `solution`)."""
+def trl_rollout(tokenizer, rows: list[dict], responses: list[str], prompt_key="prompt", episodes=None) -> tuple:
+    """(items, responses): one response a row, the rows rendered by data.py (a TRL dataset: column `prompt`, answers
+    in `solution`)."""
     dataset = PromptDataset(datasets.Dataset.from_list(rows), DataConfig(prompt_key=prompt_key, answer_key="solution"),
                             tokenizer, "trl")
     items = [dataset[i] for i in range(len(rows))]
     groups = [[Response(token_ids=tokenizer(text, add_special_tokens=False)["input_ids"], logprobs=[],
                         truncated=False, episode=episodes[i] if episodes else None)]
               for i, text in enumerate(responses)]
-    return reward_inputs(tokenizer, items, groups)
+    return items, groups
+
+
+def trl_inputs(tokenizer, rows: list[dict], responses: list[str], prompt_key="prompt", episodes=None) -> list:
+    """The reward inputs of trl_rollout's responses."""
+    return reward_inputs(tokenizer, *trl_rollout(tokenizer, rows, responses, prompt_key, episodes))
 
 
 CONVERSATION = [{"role": "system", "content": "Answer with a digit."}, {"role": "user", "content": "3 + 4?"}]
@@ -509,8 +514,11 @@ def test_a_trl_reward_function_on_text_prompts_kwargs_async_and_the_trainer_stat
     assert length.is_async and length(inputs) == [{"overall": 0.5, "unscored": 0.0},
                                                   {"overall": 2.0, "unscored": 0.0}]
     by_step = RewardFunction(RewardConfig(f"{trl_file}:by_step"))
-    by_step.trainer_state.global_step, by_step.trainer_state.max_steps = 3, 4  # what the trainer sets each step
-    assert [s["overall"] for s in by_step(inputs)] == [0.75, 0.75]
+    by_step.trainer_state.max_steps = 4  # grpo.scoring_of: --trainer.total-steps
+    groups, scores = Scoring(by_step, tokenizer).start(*trl_rollout(tokenizer, rows, ["7", "five"], "problem"),
+                                                       step=3)  # the training loop's round: the steps done
+    scores.give(groups)
+    assert [g.scores[0]["overall"] for g in groups] == [0.75, 0.75]
 
 
 def test_a_trl_reward_function_reads_the_episodes_environments(trl_file, tokenizer):
