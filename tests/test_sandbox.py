@@ -173,8 +173,8 @@ def test_a_file_outside_its_folder_cannot_be_changed_in_any_way(name):
     """Not only new files: an existing file outside the program's folder keeps its name, its bytes and its metadata
     (mode, owner, times, extended attributes; ctime changes with any of them), whether the program appends to it,
     truncates it, rewrites it in place, renames it, or changes its mode, owner, times or attributes, directly, by
-    descriptor or through a symlink it made in its own folder (Landlock checks the file the path resolves to;
-    seccomp refuses the metadata calls)."""
+    descriptor, through a symlink it made in its own folder or as an io_uring operation (Landlock checks the file the
+    path resolves to, and refuses opening it at all; seccomp refuses the metadata calls and io_uring)."""
     VICTIM.write_text("kept")
     VICTIM.chmod(0o644)
     for moved in VICTIM.parent.glob(VICTIM.name + ".moved"):
