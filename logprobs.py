@@ -383,7 +383,8 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
     not, and the forward KL would be infinite), at the same temperature, the teacher's logits
     without gradient: `reverse` KL(p || q) = sum_v p_v (log p_v - log q_v), `forward`
     KL(q || p) = sum_v q_v (log q_v - log p_v). p = [0.5, 0.5], q = [0.8, 0.2]: reverse 0.223,
-    forward 0.193."""
+    forward 0.193. Heads of different sizes (one tokenizer, padded rows): p and q over the rows
+    both have."""
     logits = _logits(head, hidden, temperature, placeholders)  # [c, V]
     whole = logits
     if top_k > 0 or top_p < 1:
@@ -396,10 +397,14 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
                -(p * logp.where(logp.isfinite(), 0)).sum(-1)]
     if teacher is not None:
         with torch.no_grad():  # as the student's below, so that an equal teacher gives exactly 0
-            q_logits = _logits(*teacher, temperature, placeholders)  # [c, V]
+            q_logits = _logits(*teacher, temperature, placeholders)  # [c, V_t]
+            # a teacher of the same tokenizer padded to another size (Qwen2.5-7B's 152,064 rows
+            # beside 0.5B's 151,936): both over the rows they share, which hold the tokenizer's
+            shared = min(whole.shape[-1], q_logits.shape[-1])
+            q_logits = q_logits[:, :shared]  # [c, V]
             logq = q_logits - q_logits.logsumexp(-1, keepdim=True)
-        if logits is not whole:  # the whole vocabulary's distribution, not what sampling kept
-            logp = whole - whole.logsumexp(-1, keepdim=True)
+        if logits is not whole or shared < whole.shape[-1]:  # the whole (shared) vocabulary's
+            logp = whole[:, :shared] - whole[:, :shared].logsumexp(-1, keepdim=True)
             p = logp.exp()
         columns.append((p * (logp - logq)).sum(-1) if divergence == "reverse"
                        else (logq.exp() * (logq - logp)).sum(-1))

@@ -65,6 +65,28 @@ def test_the_divergences_and_their_gradients_by_hand():
         assert kept[0, 1].item() == 0 and kept[0, 2].item() == pytest.approx(value, abs=1e-6)
 
 
+@pytest.mark.parametrize("divergence", ["reverse", "forward"])
+def test_a_teacher_padded_to_more_rows_is_compared_over_the_rows_both_have(divergence):
+    """One tokenizer, heads padded to different sizes (a Qwen2.5-7B teacher's 152,064 rows beside a 0.5B student's
+    151,936): the first update of --distill.kl forward or reverse failed on the shapes (issue 50). Both distributions
+    are over the rows they share, renormalised: a student of 3 rows and a teacher of 5 whose first 3 are the student's
+    (its 2 padding rows any values) give 0, either way round; a teacher's q = [0.8, 0.2 | pad] against p = [0.5, 0.5]
+    gives the 2-row values by hand."""
+    student, padded = identity_head(3), torch.nn.Linear(3, 5, bias=False).requires_grad_(False)
+    padded.weight.data = torch.cat([torch.eye(3), torch.randn(2, 3)])
+    z = torch.tensor([[0.3, -1.0, 2.0]], requires_grad=True)
+    for head, teacher_head in ((student, padded), (padded, student)):
+        out = logprobs._chunk_logprobs(head, z, torch.tensor([2]), 0.7, [], teacher=(teacher_head, z.detach()),
+                                       divergence=divergence)
+        assert out.shape == (1, 3) and out[0, 2].abs().item() < 1e-6
+    q = torch.tensor([[0.8, 0.2]]).log()
+    wide = torch.nn.Linear(2, 4, bias=False).requires_grad_(False)
+    wide.weight.data = torch.cat([torch.eye(2), torch.full((2, 2), 5.0)])  # padding rows that would dominate
+    out = logprobs._chunk_logprobs(identity_head(2), torch.zeros(1, 2), torch.tensor([0]), 1.0, [],
+                                   teacher=(wide, q), divergence=divergence)
+    assert out[0, 2].item() == pytest.approx({"reverse": 0.2231, "forward": 0.1927}[divergence], abs=1e-4)
+
+
 def textbook(head, hidden, teacher_head, teacher_hidden, temperature, divergence):
     """The divergence by its formula on the whole [N, V] at once."""
     log_p = (head(hidden).float() / temperature).log_softmax(-1)
