@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -50,8 +51,8 @@ class AdamWBF16States(torch.optim.Optimizer):
         p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
     the same formula as torch.optim.AdamW; example, first step with g = 0.1, lr 0.1, no decay: m/(1 - b1) = 0.1,
     sqrt(v/(1 - b2)) = 0.1, so p moves by -0.1 (eps aside). A bf16 parameter is written with stochastic rounding,
-    its random bits drawn from a generator seeded by the step and the parameter's place (a resumed run draws the
-    same ones).
+    its random bits drawn from a generator seeded by the step, the parameter's place and the rank (a resumed run on
+    as many ranks draws the same ones).
     """
 
     state_dtype = torch.bfloat16  # the moments' storage; the arithmetic is fp32 whatever it is
@@ -70,6 +71,9 @@ class AdamWBF16States(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        # each rank's shards their own bits: the same draw at the same offset of every shard would round
+        # weights of the same local place alike (correlated)
+        rank = dist.get_rank() if dist.is_initialized() else 0
         for number, group in enumerate(self.param_groups):
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for index, param in enumerate(group["params"]):
@@ -91,8 +95,8 @@ class AdamWBF16States(torch.optim.Optimizer):
                 weights = _local(param)
                 step_size = lr / (1 - beta1**step)
                 updated = weights.float().mul_(1 - lr * decay).addcdiv_(exp_avg, denominator, value=-step_size)
-                if weights.dtype == torch.bfloat16:
-                    seed = hash((int(step), number, index))  # ints hash alike in every process
+                if weights.dtype == torch.bfloat16:  # ints hash alike in every process
+                    seed = hash((int(step), number, index, rank))
                     updated = stochastic_bf16(updated, torch.Generator(weights.device).manual_seed(seed))
                 weights.copy_(updated)
 

@@ -160,6 +160,23 @@ def test_a_resumed_bf16_step_draws_the_same_rounding():
         4096, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16())
 
 
+def test_each_rank_draws_its_own_rounding(monkeypatch):
+    """Ranks hold different shards of one parameter at the same local offsets: with the rank left out of the seed
+    every shard drew the same bits (issue 50), rounding the weights at one local place alike. The same shard values
+    stepped as rank 0 and as rank 1 round differently; as rank 1 twice, alike (a resume on as many ranks)."""
+    import torch.distributed as dist
+
+    results = []
+    for rank in (0, 1, 1):
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        p = torch.nn.Parameter((torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16())
+        p.grad = torch.ones_like(p)
+        AdamWBF16States([p], lr=1e-6).step()
+        results.append(p.detach().clone())
+    assert not torch.equal(results[0], results[1]) and torch.equal(results[1], results[2])
+
+
 def test_offloading_moves_every_model_tensor_and_moment(tmp_path, world_of_one):
     """move_training_state moves the shards of every model given and every optimizer moment, and leaves AdamW's
     step counts on the host (torch's AdamW refuses device step counts). On a CPU the one other device at hand is
