@@ -84,9 +84,9 @@ LOGIT_TRANSFORMS = {"final_logit_softcapping": (0,), "logit_scale": (1,), "logit
 
 def check_model_exists(model_path: str, flag: str) -> None:
     """Fail in one line naming `flag` (the flag and its value) on a folder without config.json, a
-    path that does not exist, a hub id that cannot be found (check_hub_model), or a run or
-    checkpoint folder (a run's config.json is no model's: the line names its final/ model or the
-    merger)."""
+    path that does not exist, a hub id that cannot be found (check_hub_model), a run or checkpoint
+    folder (a run's config.json is no model's: the line names its final/ model or the merger), or
+    a quantized checkpoint (its config's quantization_config)."""
     path = Path(model_path).expanduser()
     merge = f"`python -m scripts.merge {path} OUT` and give OUT"
     if (path / "trainer_state.json").is_file():
@@ -105,6 +105,14 @@ def check_model_exists(model_path: str, flag: str) -> None:
         if path.exists() or model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1:
             raise SystemExit(f"{flag}: no such folder, and not a hub id (namespace/name)")
         check_hub_model(model_path, flag)
+    quantized = getattr(AutoConfig.from_pretrained(model_path), "quantization_config", None)
+    if quantized:  # FP8, GPTQ, AWQ, bitsandbytes: FSDP2 would shard packed integers as weights
+        method = (quantized.get("quant_method") if isinstance(quantized, dict)
+                  else getattr(quantized, "quant_method", "")) or "quantized"
+        raise SystemExit(f"{flag}: a quantized checkpoint ({method}), which neither the trainer "
+                         "(FSDP2 trains, gathers and streams full-precision weights) nor the "
+                         "merged weight sync supports; give the model's unquantized (bf16) "
+                         "checkpoint")
 
 
 def check_model_source(model_path: str, given: str, longest_sequence: int) -> None:

@@ -447,6 +447,21 @@ def test_a_run_or_checkpoint_folder_given_as_a_model_points_at_the_model(tmp_pat
         check_model_source(str(run / "checkpoints" / "step_000002"), "runs/x", longest_sequence=64)
 
 
+@pytest.mark.parametrize("method", ["fp8", "gptq", "awq"])
+def test_a_quantized_checkpoint_is_refused_in_one_line(tmp_path, method):
+    """A checkpoint whose config holds a quantization_config (FP8, GPTQ, AWQ) was not refused (issue 50): it failed
+    deep in the sharded loading or in vLLM's quantized loaders. One line naming the flag and the method."""
+    path = build_tiny_model("qwen2", tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": method,
+                                                                                    "bits": 8}}))
+    with pytest.raises(SystemExit, match=rf"^--distill.teacher {re.escape(str(path))}: a quantized checkpoint "
+                                         rf"\({method}\), .*give the model's unquantized \(bf16\) checkpoint$"):
+        check_model_exists(str(path), f"--distill.teacher {path}")
+    with pytest.raises(SystemExit, match=rf"^--actor.model-path tiny:qwen2: a quantized checkpoint \({method}\)"):
+        check_model_source(str(path), "tiny:qwen2", longest_sequence=64)
+
+
 @pytest.mark.parametrize("setting", [{"final_logit_softcapping": 30.0}, {"logit_scale": 0.0625},
                                      {"logits_scaling": 4.0}])
 def test_a_model_that_transforms_its_logits_in_its_head_is_refused(tmp_path, setting):
