@@ -219,6 +219,42 @@ def test_the_sampled_signal_scores_with_the_teachers_raw_distribution(models):
                                torch.tensor([[tempered] * 3, [tempered, tempered, 0.0]]), atol=1e-5, rtol=0)
 
 
+def test_the_sampled_signal_moves_the_student_towards_the_teacher(models, world_of_one):
+    """The sampled signal through the step's own code (grpo.advantages, backward_mini_batch) and one small SGD step:
+    at ratio 1 the loss's gradient is -A grad l with A = l_teacher - l_old, a descent on 1/2 sum (l - l_teacher)^2, so
+    each sampled token's log-prob moves towards the teacher's (the squared gap shrinks, and sum A x (l_new - l_old)
+    > 0); a signal of the wrong sign moves it away. The logged distill/reverse_kl is the mean of l_old - l_teacher."""
+    import copy
+
+    from algorithms import RewardKL
+    from grpo import Config, advantages, backward_mini_batch
+    from rewards import Group
+    from sequence_parallel import NO_SP
+
+    student, teacher = copy.deepcopy(models[0]), models[1]
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    mask = batch.response_mask
+    cfg = Config()
+    cfg.algorithm.adv_estimator, cfg.algorithm.use_kl_loss, cfg.rollout.n = "distill", False, len(PROMPTS)
+    with torch.no_grad():
+        batch.old_logprobs = response_logprobs(student, batch, 1.0)  # [B, R]
+        teacher_logprobs = logprobs.raw_logprobs(teacher, batch, dict(micro_batch_size=8))
+    gap = (teacher_logprobs - batch.old_logprobs) * mask
+    assert gap.max() > 0.1 and gap.min() < -0.1  # tokens on both sides: the direction is seen on each
+    groups = [Group(item={}, responses=[], scores=[{"overall": 0.0}] * len(PROMPTS))]
+    metrics = advantages(batch, groups, RewardKL(0.0), cfg, NO_SP, teacher_logprobs)
+    assert metrics["distill/reverse_kl"].item() == pytest.approx((-gap.sum() / mask.sum()).item(), rel=1e-5)
+    optimizer = torch.optim.SGD(student.parameters(), lr=1e-2)
+    backward_mini_batch(student, batch, cfg)
+    optimizer.step()
+    with torch.no_grad():
+        moved = (response_logprobs(student, batch, 1.0) - batch.old_logprobs) * mask  # [B, R]
+        after = (response_logprobs(student, batch, 1.0) - teacher_logprobs) * mask
+    assert moved.abs().max() > 1e-4  # the step moved the student
+    assert (gap * moved).sum() > 0
+    assert after.square().sum() < gap.square().sum()
+
+
 DISTILL = ["--algorithm.adv-estimator", "distill", "--trainer.total-steps", "2", "--trainer.val-freq", "0",
            "--trainer.no-val-before-train", *FAST, *SIGNAL]
 
