@@ -45,8 +45,11 @@ def test_each_mode_by_hand_on_a_holed_batch(mode):
 
 
 def test_the_geometric_mask_keeps_or_drops_whole_sequences_by_the_mean_ratio():
-    # means 1.3 / 3 and 0.6 / 3 (padding and hole left out): e^0.43 = 1.54 outside [0.9, 1.3], e^0.2 = 1.22 inside
-    cfg = AlgorithmConfig(rollout_correction="geometric_mask", correction_low=0.9, correction_high=1.3)
+    """The means over the valid tokens, 1.3 / 3 and 0.6 / 3 (padding and hole left out): e^0.433 = 1.54 above
+    [1.2, 1.45], e^0.2 = 1.22 inside. Bounds that sides flip on: the sums over the row's whole length, 1.3 / 4 and
+    0.6 / 4, would give e^0.325 = 1.38 inside and e^0.15 = 1.16 below; the padding's and the hole's values counted,
+    e^2.08 = 8.0 and e^1.4 = 4.1, both above."""
+    cfg = AlgorithmConfig(rollout_correction="geometric_mask", correction_low=1.2, correction_high=1.45)
     weights = rollout_weights(RHO, torch.zeros_like(RHO), MASK, cfg)
     assert weights[0, :3].tolist() == [0, 0, 0] and weights[1, [0, 2, 3]].tolist() == [1, 1, 1]
 
