@@ -173,6 +173,17 @@ def test_kl_cov_penalises_the_tokens_of_the_largest_covariance():
     torch.testing.assert_close(x.logprobs.grad, torch.tensor([[-2.0, 0.0, 0.0, 0.0]]))
 
 
+def test_kl_cov_picks_the_largest_positive_covariances_not_the_largest_magnitudes():
+    """The paper's rule is the signed covariance: A = [2, 0.5, -2, -0.5] (mean 0), l = [-1.5, -2.5, -1, -3] (mean -2)
+    -> covariances [1, -0.25, -2, 0.5]; a ratio of 0.5 picks 2 tokens, the 1st and 4th (1 and 0.5), never the 3rd,
+    whose -2 is the largest in magnitude (a token whose log-prob and advantage move apart)."""
+    x = inputs([[-1.5, -2.5, -1.0, -3.0]], [[2.0, 0.5, -2.0, -0.5]], [[1.0] * 4], old=[[-1.4, -2.5, -1.2, -3.3]])
+    torch.testing.assert_close(covariance(x), torch.tensor([[1.0, -0.25, -2.0, 0.5]]))
+    for ratio, chosen in ((0.25, [1.0, 0.0, 0.0, 0.0]), (0.5, [1.0, 0.0, 0.0, 1.0])):
+        out, stats = kl_cov(torch.zeros(1, 4), x, AlgorithmConfig(kl_cov_ratio=ratio, kl_cov_coef=1.0))
+        assert stats["actor/entropy_method_tokens"][0].tolist() == chosen
+        torch.testing.assert_close(out.detach(), torch.tensor([[0.1, 0.0, 0.0, 0.3]]) * torch.tensor(chosen))
+
 def test_high_entropy_trains_the_top_fifth_scaled_to_their_mean():
     """Entropies [0.1, 2.0, 0.5, 1.2, 0.05] and a hole of entropy 9: 5 valid tokens at 0.2 -> ceil(1) = 1, the 2nd
     (not the hole); its loss x 5 (valid / chosen), the others' 0. At 0.5: ceil(2.5) = 3, the 2nd, 4th and 3rd, x 5/3."""
