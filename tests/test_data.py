@@ -122,6 +122,19 @@ def test_a_column_of_strings_beside_other_types_is_refused_naming_file_column_an
     assert load_rows(str(other_types))["solution"] == [5, {"x": 1}]
 
 
+@pytest.mark.parametrize("values, where", [
+    (["007", 0], "a string on line 1, a number on line 2"),
+    (["007", False], "a string on line 1, a boolean on line 2"),
+    (["1.50", 0.0], "a string on line 1, a number on line 2"),
+    ([5, ""], "a number on line 1, a string on line 2"),
+])
+def test_a_falsy_value_beside_strings_counts_as_its_type(tmp_path, values, where):
+    """0, false, 0.0 and "" are values of their types like any other: a column of strings with one of them on a line
+    is typed as JSON by `datasets` (which would read "007" as 7) and refused, naming both lines."""
+    path = write_jsonl(tmp_path / "data.jsonl", [{"question": "?", "solution": value} for value in values])
+    with pytest.raises(ValueError, match=re.escape(f"column 'solution' holds {where};")):
+        load_rows(str(path))
+
 def test_r1v_template(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "data.jsonl", ROWS[:1])
     cfg = custom_keys(format_prompt="templates/r1v.jinja", max_prompt_length=1000)
