@@ -8,6 +8,7 @@ on a world of one.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -309,6 +310,37 @@ def test_a_checkpoint_of_another_environment_is_refused(world_of_one, tmp_path):
                      "tiny-qwen2_toy_textarena_Wordle-v0"}
     assert default_run_name("tiny:qwen2", "reasoning_gym:chain_sum") == "tiny-qwen2_reasoning_gym-chain_sum"
 
+
+# Every setting a checkpoint's tensors depend on, written out here (not read from STATE_SHAPING, whose omission is
+# what this guards), with a value of the launch's own type other than the default
+SHAPING = [("actor", "dtype", "bfloat16", "--actor.dtype float32, this launch has bfloat16"),
+           ("actor", "optimizer", "adamw_bf16", "--actor.optimizer adamw, this launch has adamw_bf16"),
+           ("lora", "rank", 8, "--lora.rank 0, this launch has 8"),
+           ("lora", "target_modules", ("q_proj",), "--lora.target-modules ['all-linear'], this launch has ['q_proj']"),
+           ("lora", "exclude_modules", "o_proj", "--lora.exclude-modules , this launch has o_proj")]
+
+
+@pytest.mark.parametrize("section, key, value, message", SHAPING, ids=[f"{s}.{k}" for s, k, *_ in SHAPING])
+def test_a_resume_that_changes_what_the_tensors_are_is_refused(tmp_path, section, key, value, message):
+    """The launch's config against the run's config.json (both grpo.Config's, as dataclasses.asdict gives them): each
+    setting that shapes the model's or the optimizer's tensors, changed alone, is refused naming the flag and both
+    values; the same config, and a change of a setting that shapes none (the learning rate), resume."""
+    import copy
+    import dataclasses
+
+    from grpo import Config
+
+    saved = dataclasses.asdict(Config())
+    (tmp_path / "config.json").write_text(json.dumps(saved, default=str))
+    checkpoint = tmp_path / "checkpoints" / "step_000001"
+    checkpoints.check_state_fits(checkpoint, saved)
+    other_lr = copy.deepcopy(saved)
+    other_lr["actor"]["lr"] *= 2
+    checkpoints.check_state_fits(checkpoint, other_lr)
+    changed = copy.deepcopy(saved)
+    changed[section][key] = value
+    with pytest.raises(SystemExit, match=re.escape(f"{checkpoint} was saved with {message}: its tensors do not fit")):
+        checkpoints.check_state_fits(checkpoint, changed)
 
 def test_resuming_an_earlier_checkpoint_rewinds_the_run(world_of_one, tmp_path):
     """--trainer.resume best (or a path) in the same folder: the later checkpoints move aside, kept but never
