@@ -8,9 +8,9 @@ import pytest
 from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 
 import plumbing.memory as memory
-from plumbing.memory import (ACTIVATIONS, ACTOR_STATE, GRADIENTS, LOGITS, OVERHEAD, REFERENCE, REWARD_MODEL, STREAMED,
-                             VLLM, VLLM_GRAPHS, VLLM_WEIGHTS, GiB, check_memory, count_parameters, estimate_memory,
-                             gpus_needed, hardware_table)
+from plumbing.memory import (ACTIVATIONS, ACTOR_STATE, GRADIENTS, LOGITS, MERGED, OVERHEAD, REFERENCE, REWARD_MODEL,
+                             STREAMED, VLLM, VLLM_GRAPHS, VLLM_WEIGHTS, GiB, check_memory, count_parameters,
+                             estimate_memory, gpus_needed, hardware_table)
 
 QWEN_7B = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
@@ -69,11 +69,24 @@ def test_a_mixture_stores_all_its_experts_and_computes_with_k_of_them():
     assert total == 30_532_122_624
     assert counts.active == total - 48 * experts * (E - k) // E == 3_353_032_704
     assert counts.largest == E * 2 * width * h  # the experts' gate and up projections: the sync's largest tensor
+    assert counts.adapted == counts.largest  # and LoRA's largest adapted one
     # what a token's activations span (the config's dense width, unused when every layer is a mixture, set apart)
     assert memory.mlp_width(Qwen3MoeConfig(**{**QWEN3_30B_A3B.to_dict(), "intermediate_size": 1})) == k * width
     next_80b = memory.current_generation()["Qwen3-Next-80B-A3B"]
     assert memory.mlp_width(Qwen3NextConfig(**{**next_80b.to_dict(), "intermediate_size": 1})) == 10 * 512 + 512
 
+
+def test_a_shared_expert_is_active_for_every_token():
+    """Qwen3-Next-80B-A3B: in each of 48 layers, 512 routed experts of width 512 (gate, up and down: 3 x 2048 x 512
+    each), 10 of them per token, and a shared expert of width 512 with its gate (3 x 2048 x 512 + 2048) that every
+    token computes with: active = total - 48 x 502 x 3 x 2048 x 512, the shared expert whole. Counted as routed, it
+    would count only 10 / 512 of it, 148M fewer."""
+    h, E, k, width, layers = 2048, 512, 10, 512, 48
+    counts = memory._parameter_counts(memory.current_generation()["Qwen3-Next-80B-A3B"])
+    assert counts.active == counts.total - layers * (E - k) * 3 * h * width == 3_874_929_408
+    e = estimate_memory(memory.current_generation()["Qwen3-Next-80B-A3B"], world_size=8, gpu_bytes=GPU_80GB,
+                        gradient_checkpointing=False, **RUN)
+    assert e.active_parameters == counts.active and "79.7B parameters, 3.87B active per token" in e.table()
 
 def test_the_estimate_of_a_mixture_holds_every_expert_and_activations_of_the_routed_ones():
     """The states and the engine's weights hold all 30.5B parameters; activations span the 8 routed experts of 768
@@ -111,6 +124,30 @@ def test_the_readme_shows_the_current_generations_table():
 
 # ---------------------------------------------------------------- formulas
 
+def test_what_the_check_did_not_count_an_entropy_bonus_an_engine_awake_and_a_merged_mixture():
+    """Issue 50: the entropy's [chunk, vocabulary] products are kept only for an entropy bonus's gradient (24 bytes a
+    logit, else 16); --rollout.staleness keeps vLLM's whole budget awake through the update (a 7B-shaped run fitted
+    on paper and needed ~95 GiB of 80); LoRA merges an adapted tensor in fp32 in the sync, 14 bytes an element
+    (a mixture's experts: 7x the bf16 tensor the stream budgets)."""
+    V = 1000
+    plain = estimate_memory(TINY, world_size=4, gpu_bytes=GPU_80GB, gradient_checkpointing=False, **RUN)
+    bonus = estimate_memory(TINY, world_size=4, gpu_bytes=GPU_80GB, gradient_checkpointing=False, entropy_grad=True,
+                            **RUN)
+    assert (plain.training[LOGITS], bonus.training[LOGITS]) == (1024 * V * 16, 1024 * V * 24)
+    awake = estimate_memory(QWEN_7B, world_size=4, gpu_bytes=GPU_80GB, gradient_checkpointing=True,
+                            engine_awake=True, **RUN)
+    asleep = estimate_memory(QWEN_7B, world_size=4, gpu_bytes=GPU_80GB, gradient_checkpointing=True, **RUN)
+    assert awake.training_total - asleep.training_total == int(0.5 * GPU_80GB)
+    assert asleep.training_total < GPU_80GB < awake.training_total
+    counts = memory._parameter_counts(QWEN3_30B_A3B)
+    merged = estimate_memory(QWEN3_30B_A3B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=True, lora=True,
+                             **RUN)
+    assert merged.sync[MERGED] == 14 * counts.adapted and STREAMED not in merged.sync
+    assert memory._parameter_counts(TINY).adapted == 64 * 160  # an MLP projection: no embedding, no head
+    full = estimate_memory(QWEN3_30B_A3B, world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=True, **RUN)
+    assert full.sync[STREAMED] == 2 * counts.largest and MERGED not in full.sync  # nothing merged without LoRA
+
+
 def test_every_item_against_hand_computed_numbers():
     P, W, h, I, L, V = qwen2_parameters(TINY), 4, 64, 160, 3, 1000
     T, root, layer = 4 * 2048, qwen2_root_parameters(TINY), qwen2_layer_parameters(TINY)
@@ -124,7 +161,7 @@ def test_every_item_against_hand_computed_numbers():
         ACTOR_STATE + " + grads": 16 * P // W, REFERENCE: 2 * P // W,
         "gathered bf16 units: root + 2 layers": 2 * (root + 2 * layer),
         GRADIENTS: 2 * (root + 2 * layer) + 4 * max(root, layer),  # bf16 in flight, one unit's fp32 reduce-scatter
-        ACTIVATIONS: T * L * (17 * h + 8 * I), LOGITS: 1024 * V * 24,  # one 1024-token head chunk, 24 bytes a logit
+        ACTIVATIONS: T * L * (17 * h + 8 * I), LOGITS: 1024 * V * 16,  # one 1024-token head chunk, 16 bytes a logit
         VLLM_GRAPHS: GiB, OVERHEAD: 2 * GiB}
     # vLLM starts inside its budget: weights, a profiling forward of 16,384 tokens and 1,024 sequences' fp32 logits
     # (its defaults on a GPU of 70 GiB or more), CUDA graphs, 1 GiB of KV cache
@@ -176,7 +213,7 @@ def test_precision_offload_and_token_budget_by_hand():
     assert lora.rollout[ACTOR_STATE] == lora.training[ACTOR_STATE + " + grads"] == 2 * P // W
     assert REFERENCE not in lora.rollout and REFERENCE not in lora.training
     budget = estimate_memory(TINY, max_tokens_per_micro_batch=512, **options)
-    assert budget.training[ACTIVATIONS] == 512 * L * (17 * h + 8 * I) and budget.training[LOGITS] == 512 * 1000 * 24
+    assert budget.training[ACTIVATIONS] == 512 * L * (17 * h + 8 * I) and budget.training[LOGITS] == 512 * 1000 * 16
 
 
 def test_sequence_parallelism_divides_the_activations_by_hand():
@@ -188,7 +225,7 @@ def test_sequence_parallelism_divides_the_activations_by_hand():
     whole, split = (estimate_memory(TINY, sequence_parallel_size=n, **options) for n in (1, 4))
     assert whole.training[ACTIVATIONS] == 4098 * L * (17 * h + 8 * I)
     assert split.training[ACTIVATIONS] == 1025 * L * (17 * h + 8 * I)  # ceil(4098 / 4)
-    assert whole.training[LOGITS] == 1024 * 1000 * 24 and split.training[LOGITS] == 1024 * 1000 * 24  # a chunk
+    assert whole.training[LOGITS] == 1024 * 1000 * 16 and split.training[LOGITS] == 1024 * 1000 * 16  # a chunk
     checkpointed = estimate_memory(TINY, **{**options, "gradient_checkpointing": True, "sequence_parallel_size": 2})
     assert checkpointed.training["activations (checkpointed)"] == 2049 * (2 * h * L + 17 * h + 8 * I)
     assert {k: v for k, v in split.training.items() if k != ACTIVATIONS} == {
