@@ -330,7 +330,8 @@ def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel =
         micro = batch.select(rows)
         logprobs, entropy, *distill = response_logprobs(  # [b, R] each
             model, micro, cfg.rollout.temperature, cfg.actor.padding_free, sp, cfg.rollout.top_k,
-            cfg.rollout.top_p, entropy=True, teacher=teacher, divergence=cfg.distill.kl)
+            cfg.rollout.top_p, entropy=True, teacher=teacher, divergence=cfg.distill.kl,
+            entropy_grad=bool(algo.entropy_coef))  # the bonus alone needs it
         own[torch.tensor(rows, device=mask.device)] = logprobs.detach()
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,

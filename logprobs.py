@@ -33,6 +33,7 @@ Design decisions:
 
 import itertools
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -371,11 +372,12 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
                     temperature: float, placeholders: list[int], top_k: int = -1,
                     top_p: float = 1.0, entropy: bool = False,
                     teacher: tuple[torch.nn.Module, torch.Tensor] | None = None,
-                    divergence: str = "reverse") -> torch.Tensor:
+                    divergence: str = "reverse", entropy_grad: bool = True) -> torch.Tensor:
     """log softmax(head(hidden) / temperature)[target] for one chunk: [c, H] -> [c], through fp32
     logits; with top-k / top-p, the softmax over the tokens sampling kept (sampled_support), as the
     engines' log-probs are. `entropy`: [c, 2], the log-prob and the entropy of that distribution,
-    H = -sum_v p_v log p_v over the tokens it keeps (p = [0.5, 0.5, 0]: log 2).
+    H = -sum_v p_v log p_v over the tokens it keeps (p = [0.5, 0.5, 0]: log 2); without
+    `entropy_grad` a value only (a metric, a selection): its [c, V] products kept for no backward.
 
     A `teacher` (on-policy distillation, --distill.kl reverse or forward): its head and hidden
     states [c, H_t]; a third column, the divergence between the policy's distribution p and the
@@ -392,9 +394,10 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
     if not entropy and teacher is None:
         return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [c]
     logp = logits - logits.logsumexp(-1, keepdim=True)  # [c, V], -inf off the support
-    p = logp.exp()
-    columns = [logp.gather(-1, targets[:, None]).squeeze(-1),  # [c] each
-               -(p * logp.where(logp.isfinite(), 0)).sum(-1)]
+    with nullcontext() if entropy_grad else torch.no_grad():
+        p = logp.exp()
+        entropies = -(p * logp.where(logp.isfinite(), 0)).sum(-1)  # [c]
+    columns = [logp.gather(-1, targets[:, None]).squeeze(-1), entropies]  # [c] each
     if teacher is not None:
         with torch.no_grad():  # as the student's below, so that an equal teacher gives exactly 0
             q_logits = _logits(*teacher, temperature, placeholders)  # [c, V_t]
@@ -406,6 +409,8 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
         if logits is not whole or shared < whole.shape[-1]:  # the whole (shared) vocabulary's
             logp = whole[:, :shared] - whole[:, :shared].logsumexp(-1, keepdim=True)
             p = logp.exp()
+        elif not entropy_grad:  # p was taken without the gradient the divergence needs
+            p = logp.exp()
         columns.append((p * (logp - logq)).sum(-1) if divergence == "reverse"
                        else (logq.exp() * (logq - logp)).sum(-1))
     return torch.stack(columns, -1)  # [c, 2 or 3]
@@ -415,7 +420,7 @@ def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Te
                   temperature: float, placeholders: list[int], chunk: int = CHUNK_TOKENS,
                   top_k: int = -1, top_p: float = 1.0, entropy: bool = False,
                   teacher: tuple[torch.nn.Module, torch.Tensor] | None = None,
-                  divergence: str = "reverse") -> torch.Tensor:
+                  divergence: str = "reverse", entropy_grad: bool = True) -> torch.Tensor:
     """Log-probs of `targets` [N] from the hidden states that predict them [N, H], `chunk` tokens at
     a time; with gradients, each chunk's logits are recomputed in the backward pass instead of
     kept. `entropy`: [N, 2], each token's log-prob and the policy's entropy there; with a
@@ -424,7 +429,8 @@ def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Te
     pieces = []
     for k, (h, y) in enumerate(zip(hidden.split(chunk), targets.split(chunk))):
         mine = teacher and (teacher[0], teacher[1][k * chunk: (k + 1) * chunk])  # this chunk's
-        args = (head, h, y, temperature, placeholders, top_k, top_p, entropy, mine, divergence)
+        args = (head, h, y, temperature, placeholders, top_k, top_p, entropy, mine, divergence,
+                entropy_grad)
         pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False)
                       if torch.is_grad_enabled() else _chunk_logprobs(*args))
     columns = 3 if teacher else 2 if entropy else 0
@@ -464,12 +470,14 @@ def _over_micro_batches(model, batch: Batch, micro_batch_size: int, max_tokens: 
 
 def response_logprobs(model, batch: Batch, temperature: float, padding_free: bool = True,
                       sp: SequenceParallel = NO_SP, top_k: int = -1, top_p: float = 1.0,
-                      entropy: bool = False, teacher=None, divergence: str = "reverse"):
+                      entropy: bool = False, teacher=None, divergence: str = "reverse",
+                      entropy_grad: bool = True):
     """log pi(response token | everything before it), logits divided by the sampling temperature
     -> [b, R], 0 on padding; with top-k / top-p, of the distribution sampling kept
     (sampled_support), as the engines' are. `entropy`: (log-probs, entropies), the second the
     entropy of the policy's distribution at each response token [b, R], from the same chunks of
-    the head (no [tokens, vocabulary] tensor kept), with its gradient. A `teacher` (on-policy
+    the head (no [tokens, vocabulary] tensor kept), with its gradient (`entropy_grad`; without,
+    a value and less memory a chunk: _chunk_logprobs). A `teacher` (on-policy
     distillation, --distill.kl reverse or forward): (log-probs, entropies, divergences), the third
     the `divergence` between the policy's and the teacher's distributions at each response token
     [b, R] (_chunk_logprobs), the teacher's forward run first on the same micro-batch
@@ -488,7 +496,8 @@ def response_logprobs(model, batch: Batch, temperature: float, padding_free: boo
     values = head_logprobs(model.get_output_embeddings(), hidden,  # [N], [N, 2] or [N, 3]
                            batch.responses.flatten()[slots], temperature,
                            placeholder_token_ids(model.config), top_k=top_k, top_p=top_p,
-                           entropy=entropy, teacher=teacher, divergence=divergence)
+                           entropy=entropy, teacher=teacher, divergence=divergence,
+                           entropy_grad=entropy_grad)
     if values.dim() == 2:
         return tuple(_spread(column, slots, b, R, sp) for column in values.unbind(-1))
     return _spread(values, slots, b, R, sp)

@@ -23,7 +23,8 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
 - sync (vLLM engine only: its weights are awake and reloaded, its KV cache not yet; rollout.sync_weights):
     actor and reference as in training (the state leaves, when offloaded, only before the KV cache wakes)
     vLLM weights 2P/tp, one full tensor being streamed in bf16 (the largest: the embedding, or a mixture's experts
-      of a layer, [E, 2 x I_expert, h]), and its
+      of a layer, [E, 2 x I_expert, h]; with LoRA, an adapted one merged in fp32, 14 bytes an element: gathered,
+      upcast, its update, their sum), and its
       CUDA graphs (1 GiB; their pool is not freed by sleep), overhead
 - training (forward/backward of one micro-batch; vLLM asleep, its weights and KV cache off the GPU):
     actor with gradients: (2p + m)P/W, fp32: 16P/W; reference 2P/W (0 under FSDP2's CPU offload; every unit,
@@ -37,10 +38,12 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
     activations: T x L x (17h + 8I) bytes; with gradient checkpointing T x (2hL + 17h + 8I) (every layer's
       input, plus one layer's activations while it is recomputed); with sequence parallelism over N ranks each
       holds T/N of every micro-batch's tokens, so its activations are 1/N of these
-    logits for the log-probs: one chunk of c = min(T/N, CHUNK_TOKENS) tokens, c x V x 24 bytes (bf16
-      logits, their fp32 copy, the log-softmax's fp32 intermediate, the entropy's fp32 probabilities and their
-      product with the log-probabilities, the fp32 and bf16 gradients): the output head runs a chunk at a time,
-      never on all T tokens
+    logits for the log-probs: one chunk of c = min(T/N, CHUNK_TOKENS) tokens, c x V x 16 bytes (bf16 logits,
+      their fp32 copy, the log-softmax's fp32 intermediate, the fp32 and bf16 gradients), 24 with an entropy bonus
+      (--algorithm.entropy-coef: the entropy's fp32 probabilities and their product with the log-probabilities,
+      kept for its gradient; the logged entropy is a value): the output head runs a chunk at a time, never on all
+      T tokens
+    with --rollout.staleness 1, vLLM's whole budget too: the engine stays awake through the update
     a distillation teacher whose divergence is in the loss (--distill.kl reverse or forward: its forward runs in
       each micro-batch of the update, its head in the student's chunks): its root gathered in bf16, 2 x root_t,
       its hidden states of the micro-batch, T/N x h_t x 2, and its side of a chunk, c x V x 16 (bf16 logits,
@@ -94,6 +97,8 @@ VLLM = "vLLM: weights + KV cache budget"
 VLLM_WEIGHTS = "vLLM: bf16 weights (reloading)"
 VLLM_GRAPHS = "vLLM: CUDA graphs (kept while asleep)"
 STREAMED = "one streamed tensor, bf16"
+MERGED = "one adapted tensor merged in fp32 (LoRA)"
+VLLM_AWAKE = "vLLM awake through the update (--rollout.staleness)"
 GRADIENTS = "unsharded gradients in flight"
 HF_KV_CACHE = "HF engine: KV cache"
 ACTIVATIONS = "activations"
@@ -113,6 +118,9 @@ class Counts:
     """What one token computes with: a mixture's experts count k of E (top-k routing); the total for a dense model."""
     largest: int
     """The largest single tensor (what the weight sync streams at once): the embedding, or a mixture's experts."""
+    adapted: int
+    """The largest tensor LoRA's all-linear targets adapt (a layer's linear weight, or a mixture's experts), which
+    the merged stream sums with its update in fp32."""
 
 
 def _parameter_counts(model_config) -> Counts:
@@ -132,8 +140,10 @@ def _counts_of(config_json: str) -> Counts:
     text = model_config.get_text_config()
     experts = sum(p.numel() for name, p in params.items() if ".experts." in name)
     idle = experts - experts * getattr(text, "num_experts_per_tok", 1) // (_experts(text) or 1)
+    adapted = [p.numel() for name, p in params.items() if p.dim() >= 2 and "embed" not in name
+               and not name.startswith("lm_head")]
     return Counts(total, total - sum(blocks), max(blocks, default=0), total - idle,
-                  max(p.numel() for p in params.values()))
+                  max(p.numel() for p in params.values()), max(adapted, default=0))
 
 
 def _experts(text) -> int:
@@ -228,7 +238,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                     moment_bytes: int = 8, cpu_offload: bool = False, offload_while_generating: bool = False,
                     lora: bool = False, enforce_eager: bool = False, sequence_parallel_size: int = 1,
                     evaluation: bool = False, reward_model_params: int = 0,
-                    teacher_params: int = 0, teacher_in_loss=None) -> MemoryEstimate:
+                    teacher_params: int = 0, teacher_in_loss=None, entropy_grad: bool = False,
+                    engine_awake: bool = False) -> MemoryEstimate:
     """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
 
     Example: P = 1e9 on W = 4 GPUs with KL, fp32 AdamW -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
@@ -236,7 +247,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     over N = 4: the activations of a micro-batch of T tokens are those of T/4 (each rank holds a quarter of the row).
     `evaluation`: --trainer.val-only (no training phase, the actor its params only); `reward_model_params`: R;
     `teacher_params`: the distillation teacher's, held as the reward model is; `teacher_in_loss`: its config when its
-    divergence is in the loss (--distill.kl reverse or forward).
+    divergence is in the loss (--distill.kl reverse or forward); `entropy_grad`: the entropy's gradient in the head's
+    chunks (--algorithm.entropy-coef); `engine_awake`: vLLM stays awake through the update (--rollout.staleness).
     """
     counts = _parameter_counts(model_config)
     P, root, layer = counts.total, counts.root, counts.layer
@@ -279,14 +291,19 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     rollout = {ACTOR_STATE: resident * state_bytes * P // W,
                **{k: resident * v for k, v in frozen.items()}, **engine_items, OVERHEAD: 2 * GiB}
     sync = {ACTOR_STATE: on_gpu * state_bytes * P // W, **{k: on_gpu * v for k, v in frozen.items()},
-            VLLM_WEIGHTS: 2 * P // tensor_parallel_size, STREAMED: 2 * counts.largest, **graphs,
-            OVERHEAD: 2 * GiB} if engine == "vllm" else {}
+            VLLM_WEIGHTS: 2 * P // tensor_parallel_size, **graphs, OVERHEAD: 2 * GiB,
+            # LoRA: an adapted weight gathered in bf16, upcast, its fp32 update, their fp32 sum
+            **({MERGED: 14 * counts.adapted} if lora and 14 * counts.adapted > 2 * counts.largest
+               else {STREAMED: 2 * counts.largest})} if engine == "vllm" else {}
     training = {ACTOR_STATE + " + grads": on_gpu * training_bytes * P // W,
                 **{k: on_gpu * v for k, v in frozen.items()},
                 "gathered bf16 units: root + 2 layers": 2 * (root + 2 * layer),
                 GRADIENTS: 0 if lora else 2 * (root + 2 * layer) + 4 * max(root, layer),
                 ACTIVATIONS + (" (checkpointed)" if gradient_checkpointing else ""): activations,
-                LOGITS: min(held, CHUNK_TOKENS) * V * 24, **graphs, OVERHEAD: 2 * GiB} if not evaluation else {}
+                LOGITS: min(held, CHUNK_TOKENS) * V * (24 if entropy_grad else 16), **graphs,
+                OVERHEAD: 2 * GiB} if not evaluation else {}
+    if engine_awake and training and engine == "vllm":  # its whole budget beside the update
+        training[VLLM_AWAKE] = engine_items[VLLM]
     if teacher_in_loss and training:
         training[TEACHER_IN_LOSS] = (2 * _parameter_counts(teacher_in_loss).root
                                      + held * teacher_in_loss.get_text_config().hidden_size * 2
@@ -382,7 +399,8 @@ def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> M
                         **precision(cfg.actor.dtype, cfg.actor.optimizer), cpu_offload=cfg.actor.fsdp_cpu_offload,
                         offload_while_generating=cfg.actor.offload_while_generating, lora=cfg.lora.rank > 0,
                         enforce_eager=cfg.rollout.enforce_eager,
-                        sequence_parallel_size=cfg.actor.sequence_parallel_size)
+                        sequence_parallel_size=cfg.actor.sequence_parallel_size,
+                        entropy_grad=bool(cfg.algorithm.entropy_coef), engine_awake=cfg.rollout.staleness > 0)
 
 
 def precision(dtype: str, optimizer: str) -> dict[str, int]:

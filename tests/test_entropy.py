@@ -86,6 +86,32 @@ def test_the_entropy_keeps_no_vocabulary_sized_tensor_for_the_backward(model):
     assert [s for s in shapes if s and s[-1] == vocab and s != tuple(head.weight.shape)] == []
 
 
+def test_the_entropys_gradient_is_kept_only_where_asked(model):
+    """Issue 50: the entropy with its gradient keeps its [chunk, vocabulary] products for the backward (31 bytes a
+    logit saved by a chunk's forward here, fp32, top-k) where only an entropy bonus uses that gradient; the metric and
+    the methods' selections need its value. Without: 14 bytes a logit, the same entropies, the same log-probs'
+    gradients, and none through the entropy."""
+    head, vocab = model.get_output_embeddings(), model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(16, model.config.hidden_size, generator=g)
+    targets = torch.randint(0, vocab, (16,), generator=g)
+    runs = {}
+    for grad in (True, False):
+        h, saved = hidden.clone().requires_grad_(), []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            out = logprobs._chunk_logprobs(head, h, targets, 0.7, [], top_k=5, entropy=True, entropy_grad=grad)
+        out[:, 0].sum().backward(retain_graph=True)
+        from_logprobs = h.grad.clone()
+        h.grad = None
+        out[:, 1].sum().backward()
+        runs[grad] = out.detach(), from_logprobs, h.grad, (sum(saved) - head.weight.numel() * 4) / (16 * vocab)
+    (kept, logprob_grad, entropy_grad, with_bytes), (value, same_grad, none, without_bytes) = runs[True], runs[False]
+    assert torch.equal(kept, value) and torch.equal(logprob_grad, same_grad)
+    assert entropy_grad.abs().sum() > 0 and torch.equal(none, torch.zeros_like(none))
+    assert with_bytes - without_bytes > 16  # the fp32 probabilities, their product and its mask, a logit each
+
+
 def test_packed_and_padded_entropies_agree_values_and_gradients(model):
     """The entropy at each response token through the whole model: the same packed and padded, with the same
     gradients; the log-probs beside it are those asked for alone."""
