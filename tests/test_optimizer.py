@@ -193,3 +193,32 @@ def test_offloading_moves_every_model_tensor_and_moment(tmp_path, world_of_one):
     moments = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
     assert moments and all(v.device.type == "meta" for v in moments)
     assert all(s["step"].device.type == "cpu" for s in optimizer.state.values())
+
+
+def test_each_step_draws_new_rounding_bits_and_a_resume_draws_the_straight_runs():
+    """The same rounding at consecutive steps: bf16 weights of 1 with no gradient and lr x weight decay = 2^-9 are
+    written as 1 - 2^-9, halfway between the bf16 neighbours 1 - 2^-8 and 1, at every step (the weights set back to
+    1 after each). Each step rounds about half of them down, and a different half: the bits are drawn afresh (bits
+    repeated from step to step would round the same weights down, and bias every weight alike over a run). An
+    optimizer loaded from step 1's state rounds step 2 as the straight one does."""
+    def pattern(optimizer, p):
+        with torch.no_grad():
+            p.fill_(1.0)
+        p.grad = torch.zeros_like(p)
+        optimizer.step()
+        assert set(p.detach().float().unique().tolist()) == {1 - 2**-8, 1.0}
+        return p.detach() < 1
+
+    p = torch.nn.Parameter(torch.ones(8192, dtype=torch.bfloat16))
+    optimizer = AdamWBF16States([p], lr=2**-9, weight_decay=1.0)
+    first = pattern(optimizer, p)
+    saved = copy_module.deepcopy(optimizer.state_dict())
+    second, third = pattern(optimizer, p), pattern(optimizer, p)
+    for down in (first, second, third):
+        assert down.float().mean().item() == pytest.approx(0.5, abs=0.03)
+    for a, b in ((first, second), (second, third), (first, third)):  # independent draws agree on about half
+        assert (a == b).float().mean().item() == pytest.approx(0.5, abs=0.03)
+    q = torch.nn.Parameter(torch.ones(8192, dtype=torch.bfloat16))
+    resumed = AdamWBF16States([q], lr=2**-9, weight_decay=1.0)
+    resumed.load_state_dict(saved)
+    assert torch.equal(pattern(resumed, q), second)
