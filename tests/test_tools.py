@@ -473,6 +473,26 @@ def test_a_tool_that_hangs_holds_a_bounded_number_of_threads(monkeypatch):
     assert [r.content for r in run_calls({"hang": hang}, calls[:1], 5.0)] == [["late"]]
 
 
+def test_the_bound_on_stray_calls_is_exact(monkeypatch):
+    """One hanging call a turn, STRAY_CALLS 3: the first three turns call it (each leaves one more stray), the fourth
+    and later are refused; one stray fewer or more would call it a turn too few or too many (issue 51)."""
+    monkeypatch.setattr(plumbing_calls, "STRAY_CALLS", 3)
+    monkeypatch.setattr(plumbing_calls, "_strays", {})
+    release = threading.Event()
+
+    def hang() -> str:
+        """Hang."""
+        release.wait(60)
+        return "late"
+
+    try:
+        turns = [run_calls({"hang": hang}, [(ToolCall("hang", {}), {}, [])], 0.02)[0].error for _ in range(5)]
+    finally:
+        release.set()
+    assert turns == ["hang ran past the time limit of 0.02 s"] * 3 + [
+        "hang was not called: 3 earlier calls of it are still running past their time limit"] * 2
+
+
 def test_run_calls_gives_each_call_its_own_row_and_images():
     """Results come back in the order of the calls, each with its own row and images."""
     calls = [(ToolCall("echo", {"x": 1}), {"answer": "a"}, []), (ToolCall("echo", {"x": 2}), {"answer": "b"},
