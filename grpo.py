@@ -517,7 +517,7 @@ def main(cfg: Config) -> None:
     # multi-turn episodes against an environment
     episodes = episodes_of(cfg.rollout, cfg.tools, processor)
     train_set, val_set, loader, val_items = load_data(cfg, run, tokenizer, processor, episodes)
-    console.print(attention_line(device))
+    console.print(attention_line(device, AutoConfig.from_pretrained(run.model_path)))
     # refuse a run that cannot fit now, not with an out-of-memory error minutes later
     if device.type == "cuda":
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory

@@ -15,9 +15,15 @@ cu_seq_lens and max lengths the trainer already gives with the inputs.
 Everything else goes to transformers' sdpa unchanged: padded batches with a mask (the hf engine's generation),
 one token at a time against a KV cache, the vision towers (bidirectional, split by their own cu_seqlens).
 
-Linear attention (the Gated DeltaNet layers of Qwen3.5 and Qwen3-Next, `linear_attention_per_sequence`) is run once per
-packed sequence: it carries a convolution state and a recurrent state along the row, and neither its pure-torch
-fallbacks nor the GPU kernels as transformers calls them restart at a sequence boundary.
+Sliding windows (Mistral, Phi-3, Gemma 2/3's sliding layers, gpt-oss's; transformers hands each attention call its
+layer's `sliding_window`) are kept by every packed path: packed_sdpa masks each sequence to its window, packed_varlen
+and flash-attn pass it to the kernel (window_size (W - 1, 0)). Attention sinks (gpt-oss's per-head `s_aux`), which
+neither varlen kernel has, are always packed_sdpa's: one extra key per head whose logit is the sink.
+
+Linear attention (the Gated DeltaNet layers of Qwen3.5 and Qwen3-Next, `linear_attention_per_sequence`) carries a
+convolution state and a recurrent state along the row: where its kernels run (flash-linear-attention and
+causal-conv1d, GPU) one call per row is given the packing; where transformers' pure-torch reference runs, which
+ignores it, the layer runs once per packed sequence.
 
 All the trainer's attentions (packed_sdpa, packed_varlen, and flash-attn under transformers' own name) take a
 sequence-parallel group in their kwargs (`sequence_parallel`: sequence_parallel.py, whose pre-hook on the language
@@ -26,6 +32,7 @@ between the group's all-to-alls.
 """
 
 import functools
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -51,22 +58,68 @@ def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           **kwargs) -> tuple[torch.Tensor, None]:
     """Causal sdpa per sequence of one packed row (query/key/value [1, heads, S, d]; `packed_lengths`, the sequences'
-    lengths on the host, given with the forward's inputs by logprobs.forward_inputs) -> ([1, S, heads, d], None);
-    any other call is transformers' sdpa. The lengths come from the host: reading them off the position ids would
-    make every layer wait for the GPU.
+    lengths on the host, given with the forward's inputs by logprobs.forward_inputs) -> ([1, S, heads, d], None),
+    within the layer's `sliding_window` and with its attention sinks (`s_aux`) where it has them. Any other call is
+    transformers' sdpa, except where that would drop the window or the sinks: a causal call without a mask (a
+    right-padded batch, whose padding comes after every token that counts) with a window or sinks, and any call with
+    sinks. The lengths come from the host: reading them off the position ids would make every layer wait for the GPU.
 
-    Example: packed_lengths [3, 2] -> sequences [0, 3) and [3, 5), each attending causally to itself.
+    Example: packed_lengths [3, 2] -> sequences [0, 3) and [3, 5), each attending causally to itself; with
+    sliding_window 2 each token sees itself and the token before it.
     """
-    lengths = kwargs.get("packed_lengths")
+    lengths, window, sinks = kwargs.get("packed_lengths"), kwargs.get("sliding_window"), kwargs.get("s_aux")
     if not packed_row(module, query, key, attention_mask, lengths):
+        if attention_mask is None and getattr(module, "is_causal", True) and (window or sinks is not None):
+            return causal_attention(query, key, value, window, sinks, dropout, scaling).contiguous(), None
+        if sinks is not None:  # transformers' sdpa would drop them
+            return sink_attention(query, key, value, attention_mask, sinks, dropout, scaling).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    gqa = key.shape[1] != query.shape[1]
     # split, not a slice per sequence: the backward of split is one concatenation, while each slice's backward
     # would write its gradient into a zero-filled tensor of the whole row, a large share of the backward
-    pieces = [F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+    pieces = [causal_attention(q, k, v, window, sinks, dropout, scaling)
               for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))]
-    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None  # [1, S, heads, d]
+    return torch.cat(pieces, dim=1), None  # [1, S, heads, d]
+
+
+def causal_attention(query, key, value, window: int | None, sinks, dropout: float, scaling) -> torch.Tensor:
+    """Causal attention (query [b, heads, q, d], key/value [b, kv heads, k, d], the queries at the last q of the k
+    positions) -> [b, q, heads, d]: each token sees the `window` positions up to its own (transformers' sliding
+    window: key j for query i when i - window < j <= i; None: all), and each head's sink (`sinks` [heads], or None)."""
+    q, k = query.shape[2], key.shape[2]
+    if sinks is None and (window is None or window >= k) and q == k:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, dropout_p=dropout, scale=scaling,
+                                             enable_gqa=key.shape[1] != query.shape[1])
+        return out.transpose(1, 2)
+    i = torch.arange(k - q, k, device=query.device)[:, None]  # [q, 1]: the queries' positions
+    j = torch.arange(k, device=query.device)[None]  # [1, k]
+    allowed = (j <= i) & (j > i - (window or k))  # [q, k]
+    if sinks is not None:
+        return sink_attention(query, key, value, allowed, sinks, dropout, scaling)
+    key, value = (expand_heads(t, query.shape[1]) for t in (key, value))  # sdpa's fast kernels with a mask: no GQA
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2)
+
+
+def sink_attention(query, key, value, allowed, sinks: torch.Tensor, dropout: float, scaling) -> torch.Tensor:
+    """Attention with one sink logit per head (gpt-oss): each query's softmax runs over its allowed keys and the sink,
+    whose share is then dropped (transformers' eager gpt-oss). Done by sdpa as one more key, zero, with zero value,
+    whose logit the mask sets to the head's sink. query [b, heads, q, d], key/value [b, kv heads, k, d], `allowed`
+    a bool mask [.., q, k] (or a float one; None: causal, aligned to the last key) -> [b, q, heads, d]."""
+    b, heads, q, k = *query.shape[:3], key.shape[2]
+    if allowed is None:
+        allowed = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
+    bias = allowed if allowed.is_floating_point() else torch.where(allowed, 0.0, -torch.inf)
+    sink = sinks.to(query.dtype).view(1, heads, 1, 1).expand(b, heads, q, 1)
+    bias = torch.cat([bias.to(query.dtype).expand(b, heads, q, k), sink], dim=-1)  # [b, heads, q, k + 1]
+    key, value = (F.pad(expand_heads(t, heads), (0, 0, 0, 1)) for t in (key, value))  # the sink's key and value: 0
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2)
+
+
+def expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key or value heads [b, kv heads, L, d] repeated for each query head they serve -> [b, heads, L, d]."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 def packed_row(module, query: torch.Tensor, key: torch.Tensor, attention_mask, given) -> bool:
@@ -80,19 +133,29 @@ def packed_varlen_attention(module, query: torch.Tensor, key: torch.Tensor, valu
                             **kwargs) -> tuple[torch.Tensor, None]:
     """torch's varlen flash kernel over one packed row (query/key/value [1, heads, S, d]; `cu_seq_lens_q` int32 on the
     device and `max_length_q` a host int, given with the forward's inputs) -> ([1, S, heads, d], None): causal
-    (window (-1, 0)), grouped-query heads as they are. Any other call, or one with dropout (the kernel has none),
-    is packed_sdpa's. The kernel writes only the rows inside cu_seq_lens, which cover the whole row."""
-    cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if dropout or not packed_row(module, query, key, attention_mask, cu_seq_lens):
+    (window (-1, 0)), or within the layer's sliding window W (window (W - 1, 0): W keys, the token's own included),
+    grouped-query heads as they are. Any other call, one with dropout or attention sinks (the kernel has neither), is
+    packed_sdpa's. The kernel writes only the rows inside cu_seq_lens, which cover the whole row."""
+    cu_seq_lens, window = kwargs.get("cu_seq_lens_q"), kwargs.get("sliding_window")
+    if dropout or kwargs.get("s_aux") is not None or not packed_row(module, query, key, attention_mask, cu_seq_lens):
         return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      **kwargs)
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, heads, d]
     longest = kwargs["max_length_q"]
-    output = varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, longest, longest, scale=scaling, window_size=(-1, 0),
-                         enable_gqa=key.shape[1] != query.shape[1])
+    output = varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, longest, longest, scale=scaling,
+                         window_size=(window - 1 if window else -1, 0), enable_gqa=key.shape[1] != query.shape[1])
     return output[None], None  # [1, S, heads, d]
+
+
+def flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' flash-attn call, which applies the layer's sliding window itself (window_size (W - 1, W - 1),
+    causal), but drops attention sinks (flash-attn 2 has none): a call with sinks (gpt-oss) is packed_sdpa's."""
+    if kwargs.get("s_aux") is not None:
+        return packed_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+    return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 # the packing the trainer gives with a packed row's inputs (logprobs.forward_inputs)
@@ -107,20 +170,19 @@ def has_linear_attention(config) -> bool:
 
 def linear_attention_per_sequence(model) -> None:
     """Make every linear-attention layer of `model` (a module named `linear_attn`: the Gated DeltaNet of Qwen3.5 and
-    Qwen3-Next) run once per sequence of a packed row, so that each sequence starts from a zero state.
+    Qwen3-Next) compute each sequence of a packed row from a zero state.
 
     Such a layer carries two states along its row: a short causal convolution's (the last 3 tokens) and the delta
-    rule's recurrent state. transformers 5.19 gives neither the packing: its pure-torch convolution takes no sequence
-    boundaries and its delta rule ignores the cu_seqlens it is handed, so in a packed row every sequence after the
-    first would be computed as a continuation of the one before it (log-probs off by ~0.02-0.07 nats, gradients by
-    far more; tests/test_models.py). On GPUs, flash-linear-attention's kernel does get cu_seqlens, but
-    causal-conv1d's, which takes boundaries as `seq_idx`, is given none. A padded batch is exact either way (right
-    padding comes after each sequence). Any other call (generation with a cache, a padded batch, one sequence) is
-    the layer's own.
-
-    Cost: the layer's kernels run once per sequence rather than once per row: on a GPU, launches rather than
-    arithmetic. The exact fast path would hand causal-conv1d its `seq_idx` and flash-linear-attention its
-    cu_seqlens in one call; not done here, as no GPU could check it.
+    rule's recurrent state. transformers 5.19 hands the packing's cu_seq_lens_q to the delta rule (as `cu_seqlens`)
+    and the layer's other keyword arguments to the convolution, each filtered by the signature of the function that
+    runs (integrations/hub_kernels.py). Where the kernels run (linear_kernel_problems: flash-linear-attention's
+    chunk_gated_delta_rule takes cu_seqlens, causal-conv1d's causal_conv1d_fn takes `seq_idx`, the sequence of each
+    token), one call per row is exact once `seq_idx` is added (sequence_index). transformers' pure-torch reference
+    takes neither: in a packed row every sequence after the first would be computed as a continuation of the one
+    before it (log-probs off by ~0.02-0.07 nats, gradients by far more; tests/test_models.py), so there the layer
+    runs once per sequence, which costs launches, not arithmetic. A padded batch is exact either way (right padding
+    comes after each sequence). Any other call (generation with a cache, a padded batch, one sequence) is the
+    layer's own.
     """
     for name, module in model.named_modules():
         if name.rpartition(".")[2] == "linear_attn":
@@ -128,17 +190,68 @@ def linear_attention_per_sequence(model) -> None:
 
 
 def _per_packed_sequence(forward):
-    """`forward` (a linear-attention layer's) once per sequence of a packed row: split by `packed_lengths`, without
-    the packing, concatenated back. Lengths [3, 2]: the layer on tokens [0, 3) and on [3, 5), each from zero."""
+    """`forward` (a linear-attention layer's) exact on a packed row: where the kernels run, one call given the packing
+    (and `seq_idx`); else once per sequence, split by `packed_lengths`, without the packing, concatenated back.
+    Lengths [3, 2]: the layer on tokens [0, 3) and on [3, 5), each from zero."""
 
     def wrapped(hidden_states, cache_params=None, attention_mask=None, **kwargs):
         lengths = kwargs.get("packed_lengths")
         if lengths is None or cache_params is not None or attention_mask is not None:
             return forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        if not any(linear_kernel_problems(hidden_states.device.type).values()):
+            return forward(hidden_states, seq_idx=sequence_index(kwargs["cu_seq_lens_q"], hidden_states.shape[1]),
+                           **kwargs)
         alone = {key: value for key, value in kwargs.items() if key not in PACKING}
         return torch.cat([forward(piece, **alone) for piece in hidden_states.split(lengths, 1)], 1)
 
     return wrapped
+
+
+def sequence_index(cu_seq_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """causal-conv1d's `seq_idx` for a packed row of `length` tokens: [1, length] int32, the sequence each token is in,
+    computed on the device (no host sync). cu_seq_lens [0, 3, 5] -> [[0, 0, 0, 1, 1]]."""
+    tokens = torch.arange(length, dtype=cu_seq_lens.dtype, device=cu_seq_lens.device)
+    return torch.searchsorted(cu_seq_lens[1:], tokens, right=True).int()[None]
+
+
+# the linear-attention kernels transformers 5.19 calls instead of its pure-torch reference where they import, by package
+LINEAR_KERNELS = {"fla": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+                  "causal-conv1d": ("causal_conv1d", "causal_conv1d_fn")}
+
+
+@functools.cache
+def linear_kernel_problems(device_type: str) -> dict[str, str | None]:
+    """Why each linear-attention kernel (LINEAR_KERNELS) does not run here, by package (None: it runs). transformers
+    picks each when its model file is imported, by importing it, and takes its pure-torch reference on any error
+    (hub_kernels.use_kernel_func_from_hub_with_fallback): the same import here says which one its layers call. Both
+    are GPU kernels (Triton, CUDA)."""
+    problems = {}
+    for package, (module, name) in LINEAR_KERNELS.items():
+        problems[package] = "GPU only" if device_type != "cuda" else None
+        if device_type == "cuda":
+            try:
+                getattr(importlib.import_module(module), name)
+            except ImportError as error:
+                missing = error.name is not None and module.startswith(error.name)
+                problems[package] = "not installed (docs/install.md)" if missing else f"does not import: {error}"
+            except Exception as error:  # a build for another torch or CUDA
+                problems[package] = f"does not import: {type(error).__name__}: {error}"
+    return problems
+
+
+def linear_attention_line(device: torch.device) -> str:
+    """The console's line on which linear-attention kernels run; on a GPU, a fallback is a warning."""
+    problems = linear_kernel_problems(device.type)
+    rule = "fla's chunk kernel" if problems["fla"] is None else "transformers' pure-torch delta rule"
+    conv = "causal-conv1d" if problems["causal-conv1d"] is None else "transformers' pure-torch convolution"
+    if not any(problems.values()):
+        return f"linear attention: {rule} and {conv}, one call per packed row (cu_seqlens, seq_idx)"
+    why = "; ".join(f"{package}: {problem}" for package, problem in problems.items() if problem)
+    line = f"linear attention: {rule} and {conv}, once per packed sequence; {why}"
+    if device.type != "cuda":
+        return line
+    return (f"warning: {line}. The pure-torch delta rule launches many small kernels per layer and keeps several "
+            "times the activation memory plumbing/memory.py counts (docs/install.md: flash-linear-attention)")
 
 
 def sequence_parallel_aware(attention):
@@ -159,8 +272,8 @@ AttentionInterface.register(PACKED_SDPA, sequence_parallel_aware(packed_sdpa_att
 AttentionMaskInterface.register(PACKED_SDPA, packed_sdpa_mask)
 AttentionInterface.register(PACKED_VARLEN, sequence_parallel_aware(packed_varlen_attention))
 AttentionMaskInterface.register(PACKED_VARLEN, packed_sdpa_mask)
-# flash-attn keeps transformers' own name (and all that transformers does for it) and gains the cut
-AttentionInterface.register(FLASH, sequence_parallel_aware(flash_attention_forward))
+# flash-attn keeps transformers' own name (and all that transformers does for it) and gains the cut and the sinks
+AttentionInterface.register(FLASH, sequence_parallel_aware(flash_attention))
 
 
 def attention_implementation(device: torch.device) -> str:
@@ -171,15 +284,20 @@ def attention_implementation(device: torch.device) -> str:
     return PACKED_VARLEN if varlen_problem(device.type) is None else PACKED_SDPA
 
 
-def attention_line(device: torch.device) -> str:
-    """The console's line on which attention the trainer runs, and why."""
+def attention_line(device: torch.device, config=None) -> str:
+    """The console's line on which attention the trainer runs, and why; for a model (`config`) with linear attention,
+    a second line on which linear-attention kernels run (linear_attention_line)."""
     flash, varlen = flash_attn_problem(device.type), varlen_problem(device.type)
     if flash is None:
-        return "attention: flash-attn's varlen kernels (flash_attention_2)"
-    if varlen is None:
-        return f"attention: torch's varlen flash kernel (packed_varlen); flash-attn: {flash}"
-    unused = f"flash-attn: {flash}" + (f"; torch's varlen kernel: {varlen}" if device.type == "cuda" else "")
-    return f"attention: torch's sdpa once per packed sequence (packed_sdpa); {unused}"
+        line = "attention: flash-attn's varlen kernels (flash_attention_2)"
+    elif varlen is None:
+        line = f"attention: torch's varlen flash kernel (packed_varlen); flash-attn: {flash}"
+    else:
+        unused = f"flash-attn: {flash}" + (f"; torch's varlen kernel: {varlen}" if device.type == "cuda" else "")
+        line = f"attention: torch's sdpa once per packed sequence (packed_sdpa); {unused}"
+    if config is not None and has_linear_attention(config):
+        line += "\n" + linear_attention_line(device)
+    return line
 
 
 @functools.cache

@@ -9,7 +9,9 @@ test here fails on the code before issue 17.
 - Host syncs: the packing reaches the attention from the host (a recording attention implementation; packed_sdpa on
   `meta`, where reading a tensor's values fails as a sync would stall a GPU).
 - The install: flash-attn only if it imports and runs; setup.sh's driver check and its replacement of a CPU torch,
-  with stand-ins for nvidia-smi and a venv.
+  with stand-ins for nvidia-smi and a venv; flash-linear-attention installed, causal-conv1d tried without failing it.
+- Sliding windows reach the varlen kernel (a recording stand-in), attention sinks never reach a kernel without them;
+  the console says which linear-attention kernels run, and a fallback on a GPU as a warning.
 The engine's side (offload order, vLLM V2's sampler seeds) is tested with the recording vLLM in test_rollout.py.
 """
 
@@ -23,15 +25,15 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
-from transformers import (AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, AutoModelForImageTextToText,
-                          LlamaConfig, LlamaForCausalLM)
+from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM,
+                          AutoModelForImageTextToText, LlamaConfig, LlamaForCausalLM)
 
 from conftest import ROOT
 from fsdp_utils import load_sharded_model, process_group_backend, save_hf_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch, response_logprobs
 from lora import LoRAConfig, adapters_off, add_adapters
-from plumbing.attention import (PACKED_SDPA, PACKED_VARLEN, attention_implementation, attention_line,
-                                flash_attn_problem, packed_sdpa_attention, packed_sdpa_mask)
+from plumbing.attention import (FLASH, PACKED_SDPA, PACKED_VARLEN, attention_implementation, attention_line,
+                                flash_attn_problem, linear_kernel_problems, packed_sdpa_attention, packed_sdpa_mask)
 from plumbing.tiny import build_tiny_model, build_tiny_vlm
 
 
@@ -180,21 +182,25 @@ def test_the_packing_reaches_the_attention_once_per_forward(tmp_path):
 
 def varlen_stand_in(calls: list):
     """torch.nn.attention.varlen.varlen_attn's contract on the CPU: query/key/value [T, heads, d], cu_seq_q int32 on
-    the tensors' device, host-int max lengths, window (-1, 0) for causal attention, GQA only when asked; its output
-    is written only inside cu_seq_q (NaN elsewhere, where the CUDA kernel leaves uninitialised memory)."""
+    the tensors' device, host-int max lengths, window (left, right) as flash-attn's (-1: unlimited; (-1, 0) causal,
+    (W - 1, 0) a causal window of W keys), GQA only when asked; its output is written only inside cu_seq_q (NaN
+    elsewhere, where the CUDA kernel leaves uninitialised memory)."""
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                     enable_gqa=False, **rest):
         calls.append({"window": window_size, "gqa": enable_gqa, "max": (max_q, max_k), "rest": rest})
         assert cu_seq_q.dtype == torch.int32 and cu_seq_q.device == query.device and cu_seq_k is cu_seq_q
         assert isinstance(max_q, int) and query.dim() == 3 and query.is_contiguous()
-        assert enable_gqa == (key.shape[1] != query.shape[1])
+        assert enable_gqa == (key.shape[1] != query.shape[1]) and window_size[1] == 0  # causal
         output = torch.full_like(query, float("nan"))
         bounds = cu_seq_q.tolist()
         for start, end in zip(bounds, bounds[1:]):
             assert end - start <= max_q
             q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
+            i = torch.arange(end - start)
+            allowed = (i[None] <= i[:, None]) & ((i[None] >= i[:, None] - window_size[0]) | (window_size[0] < 0))
+            k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], 0) for t in (k, v))
             output[start:end] = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=window_size == (-1, 0), scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
+                q, k, v, attn_mask=allowed, scale=scale).transpose(0, 1)
         return output
     return varlen_attn
 
@@ -228,6 +234,77 @@ def test_packed_varlen_gives_packed_sdpas_log_probs_through_a_stand_in_with_the_
     assert all(call["window"] == (-1, 0) for call in calls) and not torch.isnan(got).any()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(got, padded, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family, windows", [("mistral", [(3, 0)] * 2), ("gemma3", [(3, 0), (-1, 0)]),
+                                             ("gpt_oss", [])])
+def test_packed_varlen_hands_the_kernel_each_layers_window_and_keeps_sinks_from_it(monkeypatch, family, windows):
+    """Tiny models with a sliding window of 4 (test_models.py) under packed_varlen, the kernel stood in: each layer's
+    window reaches it as (W - 1, 0) (Gemma 3's full layer: (-1, 0)), and gpt-oss's layers, all with sinks, which the
+    kernel has not, run packed_sdpa's attention; log-probs as the model's own eager attention on each sequence alone
+    (before: (-1, 0) everywhere and the sinks dropped, ~0.25-0.4 nats off)."""
+    import torch.nn.attention.varlen
+
+    from test_logprobs import PROMPTS, RESPONSES
+    from test_models import windowed_model
+
+    calls = []
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_stand_in(calls))
+    model = windowed_model(family)
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    with torch.no_grad():
+        alone = torch.stack([response_logprobs(model, batch.select([b]), 1.0, False)[0] for b in range(len(batch))])
+        model.set_attn_implementation(PACKED_VARLEN)
+        packed = response_logprobs(model, batch, 1.0, True)
+    assert [call["window"] for call in calls] == windows
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+
+
+def test_flash_attn_never_gets_attention_sinks():
+    """flash-attn 2 has no attention sinks and transformers drops them without a word: the trainer's flash_attention_2
+    hands a call with sinks (gpt-oss's `s_aux`) to packed_sdpa instead, which adds them (here on a CPU, where
+    flash-attn is not even installed: before, the call went to flash-attn)."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    module, sinks = torch.nn.Module(), torch.tensor([3.0, -1.0])
+    out, _ = AttentionInterface._global_mapping[FLASH](module, query, key, value, None, packed_lengths=[3, 2],
+                                                       s_aux=sinks, sliding_window=2)
+    expected, _ = packed_sdpa_attention(module, query, key, value, None, packed_lengths=[3, 2], s_aux=sinks,
+                                        sliding_window=2)
+    without, _ = packed_sdpa_attention(module, query, key, value, None, packed_lengths=[3, 2], sliding_window=2)
+    torch.testing.assert_close(out, expected)
+    assert (out - without).abs().max() > 0.1  # the sinks count
+
+
+def test_the_console_says_which_linear_attention_kernels_run(tmp_path, monkeypatch):
+    """A model with linear attention gets a second line: on a GPU without flash-linear-attention or causal-conv1d (as
+    here: neither is installed), a warning that the pure-torch reference runs; with both, one call per row; a model
+    without linear attention, no such line. A package that is present but fails to import counts as absent, as it
+    does for transformers (which then takes its reference)."""
+    import plumbing.attention as attention
+    from test_models import windowed_model
+
+    hybrid = AutoConfig.from_pretrained(build_tiny_model("qwen3_next", tmp_path / "next"))
+    cuda = torch.device("cuda", 0)
+    linear_kernel_problems.cache_clear()
+    try:
+        assert linear_kernel_problems("cpu") == {"fla": "GPU only", "causal-conv1d": "GPU only"}
+        assert linear_kernel_problems("cuda") == {"fla": "not installed (docs/install.md)",
+                                                  "causal-conv1d": "not installed (docs/install.md)"}
+        line = attention_line(cuda, hybrid).splitlines()[1]
+        assert line.startswith("warning: linear attention: transformers' pure-torch delta rule and transformers' "
+                               "pure-torch convolution, once per packed sequence; fla: not installed")
+        assert attention_line(torch.device("cpu"), hybrid).splitlines()[1].startswith("linear attention: ")
+        assert len(attention_line(cuda, windowed_model("mistral").config).splitlines()) == 1
+        linear_kernel_problems.cache_clear()
+        (tmp_path / "causal_conv1d.py").write_text("raise ImportError('undefined symbol: _ZN3c10')\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        assert linear_kernel_problems("cuda")["causal-conv1d"] == "does not import: undefined symbol: _ZN3c10"
+    finally:
+        linear_kernel_problems.cache_clear()
+    monkeypatch.setattr(attention, "linear_kernel_problems", lambda device_type: {"fla": None, "causal-conv1d": None})
+    assert attention_line(cuda, hybrid).splitlines()[1] == (
+        "linear attention: fla's chunk kernel and causal-conv1d, one call per packed row (cu_seqlens, seq_idx)")
 
 
 def test_packed_sdpa_needs_nothing_from_the_device():
@@ -295,7 +372,7 @@ def test_each_trainer_attention_hands_a_cut_row_to_its_sequence_parallel_group(n
     registered(module, query, query, query, None, sequence_parallel=Group(), packed_lengths=[3, 2])
     assert len(calls) == 1 and calls[0][0] == "group" and calls[0][2] == ["packed_lengths"]
     wrapped = calls[0][1]  # what the group runs between its all-to-alls: the attention itself, not the wrapper
-    assert wrapped.__name__ in ("packed_sdpa_attention", "packed_varlen_attention", "flash_attention_forward")
+    assert wrapped.__name__ in ("packed_sdpa_attention", "packed_varlen_attention", "flash_attention")
 
 
 def run_setup(tmp_path, driver: str, torch_is_cpu: str) -> tuple[subprocess.CompletedProcess, list[str]]:

@@ -3,8 +3,12 @@ language model alone), Qwen3-MoE and Qwen3-Next, at tiny sizes (plumbing/tiny.py
 full-attention layer where the family has both, 4 experts of which 2 per token where it has experts).
 
 - Packed rows: each sequence's log-probs and the gradients as the sequence alone (plumbing/attention.py runs every
-  linear-attention layer once per packed sequence; without that, the layer's state runs on from one sequence into
-  the next). Qwen3.5's vision-language form: test_logprobs.py's packed test, images and videos.
+  linear-attention layer once per packed sequence on transformers' pure-torch reference; without that, the layer's
+  state runs on from one sequence into the next). Where the kernels run (flash-linear-attention, causal-conv1d: GPU),
+  one call per row given the packing, through stand-ins with the kernels' contracts. Qwen3.5's vision-language form:
+  test_logprobs.py's packed test, images and videos.
+- Sliding windows and attention sinks: tiny Mistral-, Gemma 3- and gpt-oss-shaped models with a window of 4, packed
+  and right-padded rows against each sequence alone through the model's own (eager) attention.
 - Both engines after a sync of changed weights (tests/rollout_worker.py): vLLM runs the linear-attention models in
   bf16 on a CPU (its only kernels for them), so their gap is bf16's (ENGINE_GAP_BF16); the experts of a mixture are
   packed again after every reload (without it the engine's experts are garbage after the first sync); what a bf16
@@ -16,14 +20,20 @@ full-attention layer where the family has both, 4 experts of which 2 per token w
 a refused sequence-parallel start) and its vision-language runs (Qwen3.5, on images, videos and text).
 """
 
+import sys
+import types
+
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen3VLConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                          GptOssForCausalLM, MistralConfig, MistralForCausalLM, Qwen3VLConfig)
+from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
 from conftest import ENGINE_GAP, ENGINE_GAP_BF16, ENGINE_GAP_BF16_MAX, over_cases
 from logprobs import make_batch, response_logprobs
 from lora import LoRAConfig, add_adapters
-from plumbing.attention import PACKED_SDPA, linear_attention_per_sequence
+import plumbing.attention as attention
+from plumbing.attention import PACKED_SDPA, PACKED_VARLEN, linear_attention_per_sequence
 from plumbing.tiny import build_tiny_model
 from rollout import engine_dtype, tie_overrides
 from sequence_parallel import SequenceParallel
@@ -74,6 +84,136 @@ def test_without_the_split_linear_attention_runs_on_into_the_next_sequence(paths
     with torch.no_grad():
         gap = (response_logprobs(model, batch, 1.0, True) - response_logprobs(model, batch, 1.0, False)).abs()
     assert gap[0].max() < 1e-5 and gap[1:].max() > 1e-3
+
+
+def kernel_stand_ins(monkeypatch, modeling, calls: list) -> None:
+    """Stand-ins for flash-linear-attention's chunk_gated_delta_rule and causal-conv1d's causal_conv1d_fn with the
+    kernels' contracts, put where transformers 5.19 finds the real ones (an importable `fla` and `causal_conv1d`) and
+    picked up by its own dispatch (hub_kernels.use_kernel_func_from_hub_with_fallback, as when the model file is
+    imported: each call's arguments filtered by the kernel's signature) in `modeling`, the model's file. Each computes
+    every sequence of `cu_seqlens` / `seq_idx` on its own through transformers' pure-torch reference and leaves
+    anything outside the sequences uninitialised (NaN). Their calls are recorded in `calls`."""
+    reference_rule = modeling.torch_chunk_gated_delta_rule.__wrapped__
+    reference_conv = modeling.causal_conv1d_fn.__wrapped__
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        calls.append(("fla", q.shape[1], None if cu_seqlens is None else cu_seqlens.tolist()))
+        if cu_seqlens is None:
+            return reference_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        assert q.shape[0] == 1 and initial_state is None and not output_final_state
+        out = torch.full_like(v, float("nan"))  # [1, T, heads, d]
+        bounds = cu_seqlens.tolist()
+        for start, end in zip(bounds, bounds[1:]):
+            out[:, start:end] = reference_rule(*(t[:, start:end] for t in (q, k, v, g, beta)),
+                                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
+        return out, None
+
+    def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                         final_states_out=None, activation=None):
+        calls.append(("causal-conv1d", x.shape[2], None if seq_idx is None else seq_idx.tolist()))
+        if seq_idx is None:
+            return reference_conv(x, weight, bias, activation)
+        # the CUDA kernel's checks: channel-last x, int32 contiguous [batch, seqlen], no initial states
+        assert x.stride(1) == 1 and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
+        assert seq_idx.shape == (x.shape[0], x.shape[2]) and initial_states is None and not return_final_states
+        out = torch.full_like(x, float("nan"))  # [batch, channels, T]
+        for row, ids in enumerate(seq_idx.tolist()):
+            starts = [t for t in range(len(ids)) if t == 0 or ids[t] != ids[t - 1]] + [len(ids)]
+            for start, end in zip(starts, starts[1:]):
+                out[row:row + 1, :, start:end] = reference_conv(x[row:row + 1, :, start:end], weight, bias, activation)
+        return out
+
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(chunk_gated_delta_rule=chunk_gated_delta_rule))
+    monkeypatch.setitem(sys.modules, "causal_conv1d", types.SimpleNamespace(causal_conv1d_fn=causal_conv1d_fn))
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule",
+                        use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")(reference_rule))
+    monkeypatch.setattr(modeling, "causal_conv1d_fn",
+                        use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")(reference_conv))
+
+
+@pytest.mark.parametrize("architecture", HYBRID)
+def test_where_the_kernels_run_a_packed_row_is_one_call_given_the_packing(paths, architecture, monkeypatch):
+    """With flash-linear-attention and causal-conv1d (stand-ins with their contracts), each linear-attention layer
+    runs once per packed row, the delta rule given cu_seqlens and the convolution seq_idx: each sequence's log-probs
+    as alone, gradients as the padded batch's (before: once per sequence, a GPU's launches per layer times the
+    sequences). Where the pure-torch reference runs (a kernel missing), still once per sequence."""
+    model = trainer_model(paths[architecture])
+    calls = []
+    kernel_stand_ins(monkeypatch, sys.modules[type(model).__module__], calls)
+    monkeypatch.setattr(attention, "linear_kernel_problems", lambda device_type: {"fla": None, "causal-conv1d": None})
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    layers = model.config.get_text_config().layer_types.count("linear_attention")
+    lengths = [len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)]
+    bounds = [sum(lengths[:k]) for k in range(len(lengths) + 1)]
+    with torch.no_grad():
+        alone = torch.stack([response_logprobs(model, batch.select([b]), 1.0, False)[0] for b in range(len(batch))])
+        calls.clear()
+        packed = response_logprobs(model, batch, 1.0, True)
+    sequence_of = [[b for b, n in enumerate(lengths) for _ in range(n)]]
+    assert calls == [("causal-conv1d", sum(lengths), sequence_of), ("fla", sum(lengths), bounds)] * layers
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    weights = torch.randn(packed.shape, generator=torch.Generator().manual_seed(3))
+    assert_same_gradients(gradients(model, lambda: response_logprobs(model, batch, 1.0, False), weights),
+                          gradients(model, lambda: response_logprobs(model, batch, 1.0, True), weights))
+
+    monkeypatch.setattr(attention, "linear_kernel_problems",
+                        lambda device_type: {"fla": None, "causal-conv1d": "not installed"})
+    calls.clear()
+    with torch.no_grad():
+        response_logprobs(model, batch, 1.0, True)
+    assert [(kind, n) for kind, n, _ in calls] == [(kind, n) for n in lengths for kind in ("causal-conv1d", "fla")] * \
+        layers and all(packing is None for *_, packing in calls)
+
+
+WINDOW = 4  # shorter than most of the test's sequences (PROMPTS + RESPONSES: 3 to 10 tokens)
+
+
+def windowed_model(family: str) -> torch.nn.Module:
+    """A tiny model of `family` with a sliding window of WINDOW, its own (eager) attention: Mistral (every layer),
+    Gemma 3 (a sliding layer, then a full one; no final soft-capping, which the trainer refuses), gpt-oss (the same,
+    with attention sinks, here drawn large enough to matter)."""
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, sliding_window=WINDOW, max_position_embeddings=256)
+    alternating = ["sliding_attention", "full_attention"]
+    config_cls, model_cls, extra = {
+        "mistral": (MistralConfig, MistralForCausalLM, {}),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(layer_types=alternating, final_logit_softcapping=None)),
+        "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(layer_types=alternating, num_local_experts=4,
+                                                          num_experts_per_tok=2)),
+    }[family]
+    config = config_cls(**sizes, **extra)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_cls(config)
+    for layer in model.model.layers:
+        if hasattr(layer.self_attn, "sinks"):
+            torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    return model
+
+
+# gpt-oss declares no sdpa support, so transformers refuses packed_sdpa for it by name; under packed_varlen its
+# calls, all with sinks, are packed_sdpa's
+TRAINER_ATTENTION = {"mistral": PACKED_SDPA, "gemma3": PACKED_SDPA, "gpt_oss": PACKED_VARLEN}
+
+
+@pytest.mark.parametrize("family", list(TRAINER_ATTENTION))
+def test_packed_and_padded_rows_keep_each_layers_sliding_window_and_sinks(family):
+    """Each sequence's log-probs through the trainer's attention, packed and right-padded without a mask, equal the
+    model's own eager attention on the sequence alone (~5e-7 measured): the window of 4 and gpt-oss's sinks applied
+    (before: neither, ~0.25-0.4 nats off, silently). Gradients too, the sinks' included."""
+    model = windowed_model(family)
+    batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        alone = torch.stack([response_logprobs(model, batch.select([b]), 1.0, False)[0] for b in range(len(batch))])
+    expected = gradients(model, lambda: response_logprobs(model, batch, 1.0, False), weights)
+    model.set_attn_implementation(TRAINER_ATTENTION[family])
+    with torch.no_grad():
+        packed, padded = response_logprobs(model, batch, 1.0, True), response_logprobs(model, batch, 1.0, False)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
+    assert_same_gradients(expected, gradients(model, lambda: response_logprobs(model, batch, 1.0, True), weights))
 
 
 def test_sequence_parallelism_is_refused_for_linear_attention(paths):
