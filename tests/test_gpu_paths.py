@@ -375,15 +375,18 @@ def test_each_trainer_attention_hands_a_cut_row_to_its_sequence_parallel_group(n
     assert wrapped.__name__ in ("packed_sdpa_attention", "packed_varlen_attention", "flash_attention")
 
 
-def run_setup(tmp_path, driver: str, torch_is_cpu: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def run_setup(tmp_path, driver: str, torch_is_cpu: str, failing: str = "") -> tuple[subprocess.CompletedProcess,
+                                                                                    list[str]]:
     """setup.sh's GPU branch, in a copy of the project folder with stand-ins for nvidia-smi and for an existing venv's
-    python and pip (the pip stand-in records its calls instead of installing). Returns the run and pip's calls."""
+    python and pip (the pip stand-in records its calls instead of installing, and fails those that mention
+    `failing`). Returns the run and pip's calls."""
     shutil.copy(ROOT / "setup.sh", tmp_path)
     bin_dir, venv = tmp_path / "stubs", tmp_path / ".venv" / "bin"
     bin_dir.mkdir()
     venv.mkdir(parents=True)
+    fail = f'\ncase "$*" in *{failing}*) exit 1;; esac' if failing else ""
     stubs = {bin_dir / "nvidia-smi": f'[ "$1" = -L ] && echo "GPU 0: NVIDIA H200" || echo "{driver}"',
-             venv / "python": f'echo "{torch_is_cpu}"', venv / "pip": f'echo "$*" >> "{tmp_path}/pip.log"'}
+             venv / "python": f'echo "{torch_is_cpu}"', venv / "pip": f'echo "$*" >> "{tmp_path}/pip.log"{fail}'}
     for path, body in stubs.items():
         path.write_text(f"#!/bin/sh\n{body}\n")
         path.chmod(0o755)
@@ -409,3 +412,15 @@ def test_setup_replaces_a_cpu_torch_left_in_a_venv_that_gets_the_gpu_stack(tmp_p
     replaced = [call for call in pip if "--force-reinstall" in call]
     assert replaced == (["install -q --force-reinstall --no-deps torch==2.13.0+cu130 --index-url "
                          "https://download.pytorch.org/whl/cu130"] if torch_is_cpu == "True" else [])
+
+
+@pytest.mark.parametrize("builds", [True, False])
+def test_setup_tries_causal_conv1d_without_failing_the_install(tmp_path, builds):
+    """causal-conv1d is a CUDA source build: setup.sh tries it after the GPU torch is in place and goes on, saying so,
+    where it does not build (transformers then runs its pure-torch convolution). flash-linear-attention, pure Triton,
+    comes with the requirements."""
+    proc, pip = run_setup(tmp_path, driver="580.65.06", torch_is_cpu="True", failing="" if builds else "causal-conv1d")
+    assert proc.returncode == 0, proc.stderr
+    assert pip[-1] == "install -q causal-conv1d==1.7.0 --no-build-isolation" and "--force-reinstall" in pip[-2]
+    assert ("causal-conv1d did not build here" in proc.stderr) == (not builds)
+    assert "flash-linear-attention==0.6.0" in (ROOT / "requirements.txt").read_text().splitlines()
