@@ -69,7 +69,9 @@ Design decisions:
   with its active ones: a token's activations span the k experts it is routed to (I above). The table and the
   start-up line show both counts (Qwen3-30B-A3B: 30.5B, 3.35B active, embeddings included).
 - Assumptions that make it an estimate: every sequence at full length (an upper bound); bf16 compute; a
-  linear-attention layer's activations counted as an attention layer's (17h); CUDA graphs and caching beyond the
+  linear-attention layer's activations counted as an attention layer's (17h), what its GPU kernels (fla,
+  causal-conv1d) keep: transformers' pure-torch fallback keeps several times more, which the start-up line says
+  (attention.linear_attention_line); CUDA graphs and caching beyond the
   fixed overhead are constants, not measurements.
   `perf/peak_memory_gib` (allocated) and `perf/peak_memory_reserved_gib` (what sizing needs: the allocator's
   cache included) in a real run's metrics are the measurements to trust.
@@ -190,6 +192,8 @@ class MemoryEstimate:
     """The model's parameters, P: what is stored."""
     active_parameters: int = 0
     """What one token computes with (a mixture of experts: k of E experts); P for a dense model."""
+    assumed: str = ""
+    """A path the estimate assumes that the run might not take (linear attention on its kernels), for the summary."""
 
     def model(self) -> str:
         active = (f", {billions(self.active_parameters)} active per token"
@@ -229,7 +233,7 @@ class MemoryEstimate:
     def summary(self) -> str:
         training = f", training {self.training_total / GiB:.1f} GiB" if self.training else " (an evaluation)"
         return (f"memory estimate per GPU (plumbing/memory.py): rollout {self.rollout_total / GiB:.1f} GiB{training}, "
-                f"of {self.gpu_bytes / GiB:.1f} GiB ({self.model()})")
+                f"of {self.gpu_bytes / GiB:.1f} GiB ({self.model()})" + (f"; {self.assumed}" if self.assumed else ""))
 
 
 def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, micro_batch_size: int, max_seq_len: int,
@@ -308,7 +312,9 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
         training[TEACHER_IN_LOSS] = (2 * _parameter_counts(teacher_in_loss).root
                                      + held * teacher_in_loss.get_text_config().hidden_size * 2
                                      + min(held, CHUNK_TOKENS) * V * 16)
-    return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs, P, counts.active)
+    assumed = ("linear attention as its kernels keep it (fla, causal-conv1d; the pure-torch fallback keeps several "
+               "times more)") if has_linear_attention(model_config) else ""
+    return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs, P, counts.active, assumed)
 
 
 def _advice(phase: str, items: dict[str, int], e: MemoryEstimate, options: dict) -> list[str]:

@@ -14,7 +14,8 @@ full-attention layer where the family has both, 4 experts of which 2 per token w
   packed again after every reload (without it the engine's experts are garbage after the first sync); what a bf16
   engine keeps in fp32 (Gated DeltaNet's A_log) gets the trainer's fp32 values; a Qwen3.5 checkpoint whose tie flags
   disagree is tied in the engine as the trainer ties it (without it, every log-prob is NaN).
-- The refusals: sequence parallelism for a linear-attention model, an fp32 vLLM for one on a CPU.
+- The refusals: sequence parallelism for a linear-attention model, an fp32 vLLM for one on a CPU; the memory check's
+  summary says it counts linear attention on its kernels.
 - What LoRA adapts on each: attention, linear attention, the experts' 3-D weights and the router.
 2 steps under torchrun of each family: test_train.py (Qwen3-MoE with LoRA, Qwen3-Next with the real vocabulary after
 a refused sequence-parallel start) and its vision-language runs (Qwen3.5, on images, videos and text).
@@ -214,6 +215,20 @@ def test_packed_and_padded_rows_keep_each_layers_sliding_window_and_sinks(family
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
     torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
     assert_same_gradients(expected, gradients(model, lambda: response_logprobs(model, batch, 1.0, True), weights))
+
+
+def test_the_memory_check_says_which_linear_attention_it_counts(paths):
+    """The start-up estimate counts a linear-attention layer as its GPU kernels keep it, and its summary says so (the
+    pure-torch fallback keeps several times more); a model without linear attention says nothing of it."""
+    from plumbing.memory import GiB, estimate_memory
+
+    def summary(architecture):
+        return estimate_memory(AutoConfig.from_pretrained(paths[architecture]), world_size=1, gpu_bytes=80 * GiB,
+                               kl=False, micro_batch_size=1, max_seq_len=128, gradient_checkpointing=False).summary()
+
+    assert summary("qwen3_next").endswith("; linear attention as its kernels keep it (fla, causal-conv1d; the "
+                                          "pure-torch fallback keeps several times more)")
+    assert "linear attention" not in summary("qwen3_moe")
 
 
 def test_sequence_parallelism_is_refused_for_linear_attention(paths):
