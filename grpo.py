@@ -551,9 +551,8 @@ def main(cfg: Config) -> None:
                                  device, episodes.opens_prompt, episodes.schemas)
     if cfg.trainer.val_only:
         return evaluate(cfg, run, rollout, val_set, val_items, scoring)
-    on_policy = on_policy_update(cfg)  # the old log-probs are the update's own: no pass of theirs
-    # the engine's log-probs are the old ones: no pass either
-    engine_old = algo.old_logprobs == "engine"
+    # the old log-probs without a pass of their own: the update's (on-policy) or the engine's
+    no_old_pass = on_policy_update(cfg) or algo.old_logprobs == "engine"
     # sequences a rank trains on per optimizer step
     mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n * sp.size // run.world
     passes = pass_settings(cfg, sp)  # how the no-grad log-prob passes run
@@ -579,9 +578,8 @@ def main(cfg: Config) -> None:
             batch = batch_of(groups, processor, tokenizer.pad_token_id, device)
 
             # ---- log-probs -----------------------------------------------------------------------
-            with timer("old_logprob"):  # on-policy: the update's own forward gives them
-                batch.old_logprobs = (batch.rollout_logprobs if engine_old else None if on_policy
-                                      else batched_logprobs(actor, batch, **passes))
+            with timer("old_logprob"):
+                batch.old_logprobs = old_logprobs(actor, batch, cfg, passes)
             if uses_kl:  # no KL: no reference pass (and no timing/ref_logprob)
                 with timer("ref_logprob"), adapters_off(actor) if ref is None else nullcontext():
                     batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch,
@@ -613,8 +611,9 @@ def main(cfg: Config) -> None:
                 update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg, sp,
                                                                teacher)
                 scheduler.step()
-            # for the gap metrics: the trainer's log-probs before its update
-            if on_policy or engine_old:
+            # for the gap metrics: the trainer's log-probs at each mini-batch's first forward (the
+            # later mini-batches' after the earlier ones' steps)
+            if no_old_pass:
                 batch.old_logprobs = first_logprobs
             metrics.update(update_metrics)
             metrics.update(logprob_metrics(batch))
@@ -685,6 +684,15 @@ def on_policy_update(cfg: Config) -> bool:
             and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
             and not algo.use_kl_in_reward and algo.rollout_correction == "none"
             and not (cfg.distill.teacher and cfg.distill.kl == "sampled"))
+
+
+def old_logprobs(actor, batch: Batch, cfg: Config, passes: dict) -> torch.Tensor | None:
+    """The update's old log-probs [B, R]: the engine's own (--algorithm.old-logprobs engine), none
+    when the update is on-policy (its own forward gives them: on_policy_update), else the
+    trainer's no-grad pass (pass_settings)."""
+    if cfg.algorithm.old_logprobs == "engine":
+        return batch.rollout_logprobs
+    return None if on_policy_update(cfg) else batched_logprobs(actor, batch, **passes)
 
 
 def pass_settings(cfg: Config, sp: SequenceParallel) -> dict:

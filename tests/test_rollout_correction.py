@@ -182,6 +182,24 @@ def test_combinations_that_cannot_work_are_refused(argv, message):
         grpo.check_config(grpo.parse_config(argv), world_size=1)
 
 
+def test_the_old_log_probs_come_from_the_engine_the_update_or_the_pass(model, batch, monkeypatch):
+    """--algorithm.old-logprobs engine: the engine's log-probs themselves, no pass (even where the update is not
+    on-policy: 2 mini-batches); on-policy: none (the update's own forward); otherwise the trainer's pass with the
+    run's settings. Issue 51: the engine mode ignored was caught only by a timing figure."""
+    engine_logprobs = batch.old_logprobs + 0.5
+    engine_batch = replace(batch, rollout_logprobs=engine_logprobs)
+    passes = []
+    monkeypatch.setattr(grpo, "batched_logprobs", lambda actor, b, **settings: passes.append(settings) or b.responses)
+    cfg = Config()
+    engine = replace(cfg, algorithm=replace(cfg.algorithm, old_logprobs="engine"),
+                     trainer=replace(cfg.trainer, global_batch_size=cfg.trainer.rollout_batch_size // 2))
+    assert grpo.old_logprobs(None, engine_batch, engine, {}) is engine_logprobs
+    assert grpo.on_policy_update(cfg) and grpo.old_logprobs(None, engine_batch, cfg, {}) is None
+    corrected = replace(cfg, algorithm=replace(cfg.algorithm, rollout_correction="token_truncate"))
+    assert grpo.old_logprobs(model, engine_batch, corrected, {"temperature": 0.7}) is engine_batch.responses
+    assert passes == [{"temperature": 0.7}]
+
+
 def test_a_stale_engine_may_trail_by_its_staleness_and_no_more():
     from types import SimpleNamespace
 
