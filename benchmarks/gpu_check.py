@@ -25,7 +25,14 @@ Parts (one line each on the console, all figures in OUT/gpu_check.json):
    baseline, and the memory the move frees. Then each packed attention that runs here (packed_sdpa; torch's
    varlen kernel, packed_varlen; flash-attn) on one micro-batch of 64 sequences: forward + backward seconds, and
    its log-probs against packed_sdpa's.
-`--cpu` runs parts 2-5 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here
+6. kernels (no process group): a Qwen3.5-4B-shaped Gated DeltaNet layer on a packed row of 8 x 512 tokens, forward +
+   backward, on transformers' pure-torch reference (once per sequence) and, where flash-linear-attention imports,
+   on the kernels as the trainer runs them (one call given cu_seqlens and seq_idx with causal-conv1d too, else once
+   per sequence): seconds, peak memory, and the largest difference of output and input gradient; then a packed row
+   of 8 x 512 tokens attended within a sliding window of 128 by packed_sdpa, torch's varlen kernel
+   (window_size (127, 0)) and flash-attn (through transformers' flash_attention_forward), each against a dense sdpa
+   with the block-diagonal windowed mask; what cannot run here says why.
+`--cpu` runs parts 2-6 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here
 (part 1 is the suite's own test_devices.py there).
 Well under ten minutes on one H200, so that a lent GPU's time holds two runs.
 """
@@ -38,6 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,6 +266,134 @@ def attention_paths(model, batch, device) -> dict:
     return results
 
 
+# ---------------------------------------------------------------- a part in this process (no process group)
+
+
+def part_kernels(args) -> dict:
+    """Linear attention on its kernels against its pure-torch reference, and windowed attention on each packed path
+    against a dense reference (module docstring, part 6)."""
+    import torch
+
+    device = torch.device("cpu" if args.cpu else "cuda")
+    return {"linear_attention": linear_attention_kernels(device, args.cpu),
+            "sliding_window": windowed_attention(device, args.cpu)}
+
+
+def timed(device, run) -> tuple[float, float, object]:
+    """(seconds, peak GiB allocated during, result) of `run()` (the second of two calls, the first compiles)."""
+    import torch
+
+    for _ in range(2):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        start = time.perf_counter()
+        result = run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device.type == "cuda" else 0.0
+    return seconds, peak, result
+
+
+def linear_attention_kernels(device, cpu: bool) -> dict:
+    """One Gated DeltaNet layer of Qwen3.5-4B's shape (toy on the CPU) on a packed row, as the trainer runs it
+    (plumbing/attention.linear_attention_per_sequence), on the pure-torch reference and on the kernels."""
+    import torch
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    import plumbing.attention as attention
+
+    heads = dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16) if cpu else dict(hidden_size=2560, linear_num_key_heads=16,
+                                                            linear_num_value_heads=32, linear_key_head_dim=128,
+                                                            linear_value_head_dim=128)
+    config = Qwen3_5TextConfig(**heads, num_hidden_layers=1, layer_types=["linear_attention"])
+    dtype = torch.float32 if cpu else torch.bfloat16
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.linear_attn = modeling.Qwen3_5GatedDeltaNet(config, 0).to(device, dtype)
+    attention.linear_attention_per_sequence(holder)
+    lengths = [32 if cpu else 512] * 8
+    hidden = torch.randn(1, sum(lengths), config.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    cu = torch.tensor([sum(lengths[:k]) for k in range(len(lengths) + 1)], dtype=torch.int32, device=device)
+    packing = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths),
+               "packed_lengths": lengths}
+    grad = torch.randn_like(hidden)
+
+    def run():
+        hidden.grad = None
+        out = holder.linear_attn(hidden, **packing)
+        out.backward(grad)
+        return out.detach().float(), hidden.grad.float()
+
+    problems = attention.linear_kernel_problems(device.type)
+    result = {"kernels": {package: problem or "runs" for package, problem in problems.items()}}
+    rule, conv, kernel_problems = (modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn,
+                                   attention.linear_kernel_problems)
+    try:  # the reference: transformers' own functions behind its dispatch, the layer once per sequence
+        modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn = rule.__wrapped__, conv.__wrapped__
+        attention.linear_kernel_problems = lambda device_type: {"fla": "reference", "causal-conv1d": "reference"}
+        seconds, peak, (out, dx) = timed(device, run)
+    finally:
+        modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn = rule, conv
+        attention.linear_kernel_problems = kernel_problems
+    result["reference"] = {"forward_backward_s": seconds, "peak_gib": peak, "tokens": sum(lengths)}
+    if problems["fla"] is None:
+        seconds, peak, (kernel_out, kernel_dx) = timed(device, run)
+        result["kernels_run"] = {"forward_backward_s": seconds, "peak_gib": peak,
+                                 "one_call_per_row": not any(problems.values()),
+                                 "output_vs_reference_max": (kernel_out - out).abs().max().item(),
+                                 "input_grad_vs_reference_max": (kernel_dx - dx).abs().max().item(),
+                                 "reference_output_max": out.abs().max().item()}
+    return result
+
+
+def windowed_attention(device, cpu: bool) -> dict:
+    """A packed row attended within a sliding window by each packed path that runs here, against a dense sdpa with
+    the block-diagonal windowed mask: the largest difference of each, or why it cannot run."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    from plumbing.attention import (FLASH, PACKED_SDPA, PACKED_VARLEN, flash_attn_problem, packed_sdpa_attention,
+                                    packed_varlen_attention, varlen_problem)
+
+    lengths, window, heads, kv_heads, dim = ([24] * 4, 8, 4, 2, 16) if cpu else ([512] * 8, 128, 16, 2, 128)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    generator = torch.Generator(device=device).manual_seed(0)
+    query = torch.randn(1, heads, sum(lengths), dim, device=device, dtype=dtype, generator=generator)
+    key, value = (torch.randn(1, kv_heads, sum(lengths), dim, device=device, dtype=dtype, generator=generator)
+                  for _ in range(2))
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    i = torch.arange(sum(lengths), device=device)
+    allowed = (sequence[:, None] == sequence[None]) & (i[None] <= i[:, None]) & (i[None] > i[:, None] - window)
+    groups = heads // kv_heads
+    expected = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1),
+                                              value.repeat_interleave(groups, 1), attn_mask=allowed)
+    expected = expected.transpose(1, 2).float()  # [1, S, heads, d]
+    cu = torch.tensor([sum(lengths[:k]) for k in range(len(lengths) + 1)], dtype=torch.int32, device=device)
+    kwargs = {"packed_lengths": lengths, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
+              "max_length_k": max(lengths), "sliding_window": window}
+    module = torch.nn.Module()  # what the attention functions read of a layer
+    module.is_causal, module.config = True, types.SimpleNamespace(_attn_implementation=FLASH)
+    results = {"window": window, "tokens": sum(lengths)}
+    for name, problem, attend in ((PACKED_SDPA, None, packed_sdpa_attention),
+                                  (PACKED_VARLEN, varlen_problem(device.type), packed_varlen_attention),
+                                  (FLASH, flash_attn_problem(device.type), flash_attention_forward)):
+        if problem is not None:
+            results[name] = problem
+            continue
+        try:
+            out, _ = attend(module, query, key, value, None, **kwargs)
+            results[name] = {"vs_dense_max": (out.float() - expected).abs().max().item()}
+        except Exception as error:  # say which path failed, keep the others' figures
+            results[name] = f"failed: {type(error).__name__}: {error}"
+    return results
+
+
 # ---------------------------------------------------------------- parts that launch processes
 
 
@@ -328,7 +464,8 @@ def main():
              "update": lambda: in_torchrun("update", args,
                                            random_model("toy" if args.cpu else "1.5b", models / "b", device)),
              "paths": lambda: in_torchrun("paths", args,
-                                          random_model("toy" if args.cpu else "0.5b", models / "c", device))}
+                                          random_model("toy" if args.cpu else "0.5b", models / "c", device)),
+             "kernels": lambda: part_kernels(args)}
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
     for name, run in parts.items():
         start = time.perf_counter()

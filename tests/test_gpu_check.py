@@ -30,3 +30,9 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     assert (paths["nondeterminism_max"] == paths["offload_weight_diff_max"]
             == paths["fsdp_cpu_offload_weight_diff_max"] == 0.0)
     assert paths["fsdp_cpu_offload_streamed"] > 0 and paths["reference_after_reshard_gib"] == 0.0
+    kernels = report["kernels"]  # on a CPU: the linear-attention reference alone, the window on packed_sdpa alone
+    linear, window = kernels["linear_attention"], kernels["sliding_window"]
+    assert linear["kernels"] == {"fla": "GPU only", "causal-conv1d": "GPU only"} and "kernels_run" not in linear
+    assert linear["reference"]["forward_backward_s"] > 0 and linear["reference"]["tokens"] == 8 * 32
+    assert window["packed_sdpa"]["vs_dense_max"] < 1e-5
+    assert window["packed_varlen"] == window["flash_attention_2"] == "GPU only"
