@@ -2,7 +2,7 @@
 
 The GPU machine lent to this project (the device tool) has torch, transformers, peft and pytest but no vLLM
 and no package index; the few pure-Python packages it lacks travel along as wheels:
-    bash benchmarks/gpu_wheels.sh                      # here: .whl/ (~1.5 MB, git-ignored)
+    bash benchmarks/gpu_wheels.sh                      # here: .whl/ (~3 MB, git-ignored)
     # there, in the repository root, with .whl carried:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     python3 benchmarks/gpu_check.py --out "$OUT"
