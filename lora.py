@@ -82,7 +82,7 @@ def adaptable_modules(model) -> list[str]:
     kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
              if isinstance(module, kinds)}
-    tied = getattr(model.config, "tie_word_embeddings", False)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     return sorted(names - ({"lm_head"} if tied else set()))
 
 
