@@ -31,7 +31,8 @@ Parts (one line each on the console, all figures in OUT/gpu_check.json):
    per sequence): seconds, peak memory, and the largest difference of output and input gradient; then a packed row
    of 8 x 512 tokens attended within a sliding window of 128 by packed_sdpa, torch's varlen kernel
    (window_size (127, 0)) and flash-attn (through transformers' flash_attention_forward), each against a dense sdpa
-   with the block-diagonal windowed mask; what cannot run here says why.
+   with the block-diagonal windowed mask; what cannot run here says why; then one output-head chunk (1,024 tokens,
+   a 152k vocabulary) forward + backward with the entropy's gradient and without: seconds, peak memory, bytes a logit.
 `--cpu` runs parts 2-6 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here
 (part 1 is the suite's own test_devices.py there).
 Well under ten minutes on one H200, so that a lent GPU's time holds two runs.
@@ -276,7 +277,37 @@ def part_kernels(args) -> dict:
 
     device = torch.device("cpu" if args.cpu else "cuda")
     return {"linear_attention": linear_attention_kernels(device, args.cpu),
-            "sliding_window": windowed_attention(device, args.cpu)}
+            "sliding_window": windowed_attention(device, args.cpu), "head_chunk": head_chunk(device, args.cpu)}
+
+
+def head_chunk(device, cpu: bool) -> dict:
+    """One output-head chunk of 1,024 tokens over a 151,936-token vocabulary (bf16 head and hidden states), forward
+    and backward, with the policy's entropy as the update computes it: with its gradient (an entropy bonus) and
+    without (the metric alone): seconds and peak memory of each, in bytes a logit too (the memory check counts 24
+    and 16)."""
+    import torch
+
+    import logprobs
+
+    tokens, vocab, hidden = (64, 1000, 128) if cpu else (1024, 151936, 1536)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    generator = torch.Generator(device=device).manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False, device=device, dtype=dtype)
+    states = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=generator)
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    results = {"tokens": tokens, "vocabulary": vocab}
+    for name, grad in (("entropy_with_gradient", True), ("entropy_value_only", False)):
+        def run(grad=grad):
+            h = states.clone().requires_grad_()
+            values = logprobs.head_logprobs(head, h, targets, 1.0, [], chunk=tokens, entropy=True,
+                                            entropy_grad=grad)
+            (values[:, 0].sum() + values[:, 1].sum()).backward()
+            head.weight.grad = None
+
+        seconds, peak, _ = timed(device, run)
+        results[name] = {"forward_backward_s": round(seconds, 4), "peak_memory_gib": round(peak, 3),
+                         "bytes_a_logit": round(peak * 2**30 / (tokens * vocab), 1)}
+    return results
 
 
 def timed(device, run) -> tuple[float, float, object]:

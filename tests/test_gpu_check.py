@@ -36,3 +36,5 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     assert linear["reference"]["forward_backward_s"] > 0 and linear["reference"]["tokens"] == 8 * 32
     assert window["packed_sdpa"]["vs_dense_max"] < 1e-5
     assert window["packed_varlen"] == window["flash_attention_2"] == "GPU only"
+    chunk = kernels["head_chunk"]
+    assert chunk["entropy_with_gradient"]["forward_backward_s"] > 0 and "peak_memory_gib" in chunk["entropy_value_only"]
