@@ -121,7 +121,8 @@ def check_model_source(model_path: str, given: str, longest_sequence: int) -> No
     have, or one this machine can neither reach nor finds in its Hugging Face cache;
     prompt + response longer than the model's context; a model whose output head transforms its
     logits (final soft-capping, scaling: LOGIT_TRANSFORMS), which the trainer's head, run outside
-    the model's forward, would skip.
+    the model's forward, would skip, or its attention scores (Gemma 2), which the packed attention
+    would.
 
     A hub id is looked up once, with a short timeout: offline, transformers would retry every file
     for a long while before failing (docs/running.md). Offline with a cached copy, every later load
@@ -144,6 +145,12 @@ def check_model_source(model_path: str, given: str, longest_sequence: int) -> No
                          "decoder's hidden states with the output head alone (logprobs.py): its "
                          "log-probs would not be the model's. Models with final logit "
                          "soft-capping or scaling (Gemma 2/3, Cohere, Granite) are not supported")
+    capped = getattr(config, "attn_logit_softcapping", None)
+    if capped:  # Gemma 2's: flash-attn's kernel applies it, packed_sdpa and torch's varlen do not
+        raise SystemExit(f"{flag}: the model soft-caps its attention scores "
+                         f"(attn_logit_softcapping {capped}), which the trainer's packed attention "
+                         "(plumbing/attention.py) does not apply: its log-probs would not be the "
+                         "model's; not supported")
 
 
 def check_hub_model(repo_id: str, flag: str) -> None:
