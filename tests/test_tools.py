@@ -441,12 +441,9 @@ def test_a_turns_results_are_cut_as_a_whole():
     assert (reply.calls, reply.errors) == (3, 0)
 
 
-def test_a_tool_that_hangs_holds_a_bounded_number_of_threads(monkeypatch):
-    """Calls past their time limit are abandoned, still running; once a tool has STRAY_CALLS of them its calls are
-    refused at once (an error the model reads), so turn after turn of a hanging tool does not add a thread per call
-    (it did: 1,075 threads after 4 steps, then `can't start new thread`). Another tool is still called; once the
-    stray calls end, the tool is called again."""
-    monkeypatch.setattr(plumbing_calls, "STRAY_CALLS", 6)
+@pytest.fixture
+def hanging(monkeypatch):
+    """(a tool that hangs until released, the release), with no stray calls left from another test."""
     monkeypatch.setattr(plumbing_calls, "_strays", {})
     release = threading.Event()
 
@@ -455,6 +452,17 @@ def test_a_tool_that_hangs_holds_a_bounded_number_of_threads(monkeypatch):
         release.wait(60)
         return "late"
 
+    yield hang, release
+    release.set()
+
+
+def test_a_tool_that_hangs_holds_a_bounded_number_of_threads(monkeypatch, hanging):
+    """Calls past their time limit are abandoned, still running; once a tool has STRAY_CALLS of them its calls are
+    refused at once (an error the model reads), so turn after turn of a hanging tool does not add a thread per call
+    (it did: 1,075 threads after 4 steps, then `can't start new thread`). Another tool is still called; once the
+    stray calls end, the tool is called again."""
+    monkeypatch.setattr(plumbing_calls, "STRAY_CALLS", 6)
+    hang, release = hanging
     before = threading.active_count()
     calls = [(ToolCall("hang", {}), {}, [])] * 4 + [(ToolCall("quick", {}), {}, [])]
     try:
@@ -473,22 +481,13 @@ def test_a_tool_that_hangs_holds_a_bounded_number_of_threads(monkeypatch):
     assert [r.content for r in run_calls({"hang": hang}, calls[:1], 5.0)] == [["late"]]
 
 
-def test_the_bound_on_stray_calls_is_exact(monkeypatch):
+def test_the_bound_on_stray_calls_is_exact(monkeypatch, hanging):
     """One hanging call a turn, STRAY_CALLS 3: the first three turns call it (each leaves one more stray), the fourth
     and later are refused; one stray fewer or more would call it a turn too few or too many (issue 51)."""
     monkeypatch.setattr(plumbing_calls, "STRAY_CALLS", 3)
-    monkeypatch.setattr(plumbing_calls, "_strays", {})
-    release = threading.Event()
-
-    def hang() -> str:
-        """Hang."""
-        release.wait(60)
-        return "late"
-
-    try:
-        turns = [run_calls({"hang": hang}, [(ToolCall("hang", {}), {}, [])], 0.02)[0].error for _ in range(5)]
-    finally:
-        release.set()
+    hang, release = hanging
+    turns = [run_calls({"hang": hang}, [(ToolCall("hang", {}), {}, [])], 0.02)[0].error for _ in range(5)]
+    release.set()
     assert turns == ["hang ran past the time limit of 0.02 s"] * 3 + [
         "hang was not called: 3 earlier calls of it are still running past their time limit"] * 2
 
