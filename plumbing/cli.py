@@ -41,7 +41,7 @@ def parse_command_line(config_class, argv: list[str], presets_dir: Path, prog: s
 
 def default_run_name(model_path: str, data_path: str, env: str = "") -> str:
     """A run's name without a preset: `<model>_<data>[_<environment>]` (tiny-qwen2_toy, Qwen2.5-7B-Instruct_math12k,
-    tiny-qwen2_toy_env_Vault), the same for the same job, so that launching it again resumes it, and another for
+    tiny-qwen2_toy_my_env_Game), the same for the same job, so that launching it again resumes it, and another for
     another model, dataset or environment."""
     model = model_path.replace("tiny:", "tiny-").rstrip("/").rsplit("/", 1)[-1]
     name = f"{model}_{Path(data_path.rstrip('/')).stem}"
