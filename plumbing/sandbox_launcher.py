@@ -44,6 +44,8 @@ METADATA_CALLS = {"x86_64": (90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 2
 # io_uring_setup, io_uring_enter, io_uring_register (both machines): its operations (setxattr, socket, connect, ...)
 # are not system calls, so no rule of this filter would see them
 IO_URING_CALLS = (425, 426, 427)
+# add_key, request_key, keyctl: the kernel's keyrings (the user's keyring is the same user's outside the sandbox)
+KEYRING_CALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}
 AF_UNIX, SOCK_STREAM, SOCK_FLAGS = 1, 1, 0o4000 | 0o2000000  # SOCK_NONBLOCK | SOCK_CLOEXEC
 CLONE_THREAD = 0x00010000
 
@@ -76,7 +78,8 @@ def main(config: dict) -> None:
             if abi:
                 _restrict_files(libc, abi, os.getcwd())
             if seccomp:
-                _seccomp_filter(libc, *seccomp, METADATA_CALLS[os.uname().machine] + IO_URING_CALLS)
+                machine = os.uname().machine
+                _seccomp_filter(libc, *seccomp, METADATA_CALLS[machine] + IO_URING_CALLS + KEYRING_CALLS[machine])
             os.set_inheritable(write_end, False)
             if not config["probe"]:
                 os.execv(sys.executable, [sys.executable, "-I", "-S", "program.py"])
@@ -162,8 +165,9 @@ def _seccomp_filter(libc, arch: int, calls: dict[str, int], denied_calls: tuple[
     unless it makes a thread (CLONE_THREAD); every call of `denied_calls` fails (EPERM): those that change a file's
     metadata, in the program's folder too (Landlock cannot tell a file's mode, owner, times or attributes from its
     contents: as the user namespace's root, the program could otherwise make any file of the machine's user setuid or
-    world-writable), and io_uring's, which would do the same past this filter; socket fails (EPERM: a pathname Unix
-    socket is outside every namespace, and Landlock, ABI 7 included, has no right for connecting to one), and
+    world-writable), io_uring's, which would do the same past this filter, and the keyrings'; socket fails (EPERM: a
+    pathname Unix socket is outside every namespace, and Landlock, ABI 7 included, has no right for connecting to
+    one), and
     socketpair unless it makes a connected pair of stream sockets (asyncio's loop makes one; a datagram pair could
     send to any pathname socket); another architecture's syscalls (x32) are refused outright."""
     load, jump_equal, jump_set, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K

@@ -37,6 +37,10 @@ HOSTILE = {  # program, what stops it: (its status, the error it met)
     "tracing the trainer": ("import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"  # PTRACE_SEIZE: no stop
                             f"if libc.ptrace(0x4206, {os.getpid()}, 0, 0):\n"
                             "    raise OSError(ctypes.get_errno(), 'ptrace')", ("ok", "ProcessLookupError")),
+    "the user's keyring": ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True)\n"  # KEYCTL_GET_KEYRING_ID
+                           "keyctl = {'x86_64': 250, 'aarch64': 219}[os.uname().machine]\n"
+                           "if libc.syscall(keyctl, 0, -4, 0) < 0:\n"  # KEY_SPEC_USER_KEYRING
+                           "    raise OSError(ctypes.get_errno(), 'keyctl')", ("ok", "PermissionError")),
     "a flood of output": ("while True: print('x' * 10000)", ("output", None)),
     "too many files": ("files = [open(f'f{i}', 'w') for i in range(1000)]", ("ok", "Too many open files")),
 }
