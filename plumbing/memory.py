@@ -43,7 +43,8 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
       (--algorithm.entropy-coef: the entropy's fp32 probabilities and their product with the log-probabilities,
       kept for its gradient; the logged entropy is a value): the output head runs a chunk at a time, never on all
       T tokens
-    with --rollout.staleness 1, vLLM's whole budget too: the engine stays awake through the update
+    with --rollout.staleness 1, vLLM's whole budget too: the engine stays awake through the update; and at a save
+      step a copy of the weights it holds, pP/W, which the checkpoint keeps
     a distillation teacher whose divergence is in the loss (--distill.kl reverse or forward: its forward runs in
       each micro-batch of the update, its head in the student's chunks): its root gathered in bf16, 2 x root_t,
       its hidden states of the micro-batch, T/N x h_t x 2, and its side of a chunk, c x V x 16 (bf16 logits,
@@ -101,6 +102,7 @@ VLLM_GRAPHS = "vLLM: CUDA graphs (kept while asleep)"
 STREAMED = "one streamed tensor, bf16"
 MERGED = "one adapted tensor merged in fp32 (LoRA)"
 VLLM_AWAKE = "vLLM awake through the update (--rollout.staleness)"
+ENGINE_COPY = "the engine's weights kept for a checkpoint (--rollout.staleness)"
 GRADIENTS = "unsharded gradients in flight"
 HF_KV_CACHE = "HF engine: KV cache"
 ACTIVATIONS = "activations"
@@ -308,6 +310,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                 OVERHEAD: 2 * GiB} if not evaluation else {}
     if engine_awake and training and engine == "vllm":  # its whole budget beside the update
         training[VLLM_AWAKE] = engine_items[VLLM]
+        # a save step's copy of the weights the engine holds, for the checkpoint (LoRA: the adapters', a few)
+        training[ENGINE_COPY] = 0 if lora else param_bytes * P // W
     if teacher_in_loss and training:
         training[TEACHER_IN_LOSS] = (2 * _parameter_counts(teacher_in_loss).root
                                      + held * teacher_in_loss.get_text_config().hidden_size * 2
