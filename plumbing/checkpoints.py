@@ -141,6 +141,7 @@ def check_state_fits(checkpoint: Path, config: dict | None) -> None:
         old, new = saved.get(section, {}).get(key), config[section][key]
         if old is not None and old != new:
             flag = f"--{section}.{key.replace('_', '-')}"
+            old, new = ("''" if value == "" else value for value in (old, new))  # an empty one as the shell takes it
             raise SystemExit(f"{checkpoint} was saved with {flag} {old}, this launch has {new}: its tensors do not "
                              f"fit; resume with {flag} {old}, or give this run another --trainer.experiment-name")
 

@@ -317,7 +317,7 @@ SHAPING = [("actor", "dtype", "bfloat16", "--actor.dtype float32, this launch ha
            ("actor", "optimizer", "adamw_bf16", "--actor.optimizer adamw, this launch has adamw_bf16"),
            ("lora", "rank", 8, "--lora.rank 0, this launch has 8"),
            ("lora", "target_modules", ("q_proj",), "--lora.target-modules ['all-linear'], this launch has ['q_proj']"),
-           ("lora", "exclude_modules", "o_proj", "--lora.exclude-modules , this launch has o_proj")]
+           ("lora", "exclude_modules", "o_proj", "--lora.exclude-modules '', this launch has o_proj")]
 
 
 @pytest.mark.parametrize("section, key, value, message", SHAPING, ids=[f"{s}.{k}" for s, k, *_ in SHAPING])
@@ -341,6 +341,7 @@ def test_a_resume_that_changes_what_the_tensors_are_is_refused(tmp_path, section
     changed[section][key] = value
     with pytest.raises(SystemExit, match=re.escape(f"{checkpoint} was saved with {message}: its tensors do not fit")):
         checkpoints.check_state_fits(checkpoint, changed)
+
 
 def test_resuming_an_earlier_checkpoint_rewinds_the_run(world_of_one, tmp_path):
     """--trainer.resume best (or a path) in the same folder: the later checkpoints move aside, kept but never
