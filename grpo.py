@@ -563,6 +563,7 @@ def main(cfg: Config) -> None:
                            "console" in cfg.trainer.logger)
     if val_set and cfg.trainer.val_before_train and start is None:  # every rank, prompts or not
         validate_first(rollout, val_items, scoring, device, trackers, console)
+    engine_weights = None  # with --rollout.staleness, at a save step: the weights the engine holds
     with progress:
         for step in range(run.first_step, cfg.trainer.total_steps + 1):
             timer = PhaseTimer(device)
@@ -602,7 +603,6 @@ def main(cfg: Config) -> None:
                                                sp.data_parallel)
             # the engine takes the weights the update starts from: a step behind at the next (this
             # step's checkpoint keeps them, for its resume to give the engine the same)
-            engine_weights = None
             if cfg.rollout.staleness:
                 with timer("sync"):
                     rollout.sync_weights(actor, version=step - 1)
@@ -642,6 +642,7 @@ def main(cfg: Config) -> None:
                          **kl.state_dict(), "score": metrics.get(cfg.trainer.best_metric),
                          **run.job}
                 save(cfg, run, step, actor, optimizer, state, progress.print, engine_weights)
+            engine_weights = None  # the copy freed before the next rollout
     finish(cfg, run, actor, processor or tokenizer, progress, trackers, rollout)
 
 
