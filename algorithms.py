@@ -435,13 +435,20 @@ class LossInputs:
     mask: torch.Tensor
     # the rollout correction's weights (None: 1), never differentiated
     rollout_weights: torch.Tensor | None = None
-    # H: the policy's entropy at each token, with its gradient (logprobs.response_logprobs)
+    # H: the policy's entropy at each token, with its gradient where an entropy bonus needs it
+    # (logprobs.response_logprobs)
     entropy: torch.Tensor | None = None
 
     @property
     def log_ratio(self) -> torch.Tensor:
         """rho = l - l_old per token."""
         return self.logprobs - self.old_logprobs
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        """r = exp(clamp(rho, -20, 20)) per token: the importance ratio, its exponent clamped so
+        that it cannot overflow."""
+        return torch.exp(self.log_ratio.clamp(-20, 20))
 
     def sequence_log_ratio(self) -> torch.Tensor:
         """s_i = mean over the valid tokens of sequence i of (l - l_old) -> [b, 1]."""
@@ -493,7 +500,7 @@ def cispo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     reference, clip_low 0 (weights at least 1); the MiniMax-M1 paper has no lower bound:
     --algorithm.clip-ratio-low inf.
     """
-    ratio = torch.exp(x.log_ratio.clamp(-20, 20))
+    ratio = x.ratio
     weight = ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high).detach()
     with torch.no_grad():
         stats = {
@@ -511,7 +518,7 @@ def sapo_loss(x: LossInputs, cfg: "AlgorithmConfig"):
     tau is built in the ratio's dtype, so bf16 inputs give a bf16 loss, as every other loss does (a
     float32 tau would promote the whole loss to float32).
     """
-    ratio = torch.exp(x.log_ratio.clamp(-20, 20))
+    ratio = x.ratio
     tau = torch.where(x.advantages >= 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
     return -x.advantages * (4 / tau) * torch.sigmoid(tau * (ratio - 1)), {}
 
@@ -560,7 +567,7 @@ def clip_cov(loss, x: LossInputs, cfg: "AlgorithmConfig"):
     2nd and 3rd tokens loses its gradient; if PPO clipped the 2nd, the 3rd."""
     cov = covariance(x)
     with torch.no_grad():
-        ratio = torch.exp(x.log_ratio.clamp(-20, 20))
+        ratio = x.ratio
         clipped = (-x.advantages * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
                    > -x.advantages * ratio)  # [b, R]: PPO's clip binds, the gradient is 0
     candidates = ((cov > cfg.clip_cov_low) & (cov < cfg.clip_cov_high) & ~clipped
