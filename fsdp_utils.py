@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     OffloadPolicy, fully_shard)
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
 from plumbing.attention import attention_implementation, linear_attention_per_sequence
@@ -82,11 +82,11 @@ def process_group_backend(device_type: str, cpu_offload: bool) -> str:
 LOGIT_TRANSFORMS = {"final_logit_softcapping": (0,), "logit_scale": (1,), "logits_scaling": (1,)}
 
 
-def check_model_exists(model_path: str, flag: str) -> None:
+def check_model_exists(model_path: str, flag: str) -> PretrainedConfig:
     """Fail in one line naming `flag` (the flag and its value) on a folder without config.json, a
     path that does not exist, a hub id that cannot be found (check_hub_model), a run or checkpoint
     folder (a run's config.json is no model's: the line names its final/ model or the merger), or
-    a quantized checkpoint (its config's quantization_config)."""
+    a quantized checkpoint (its config's quantization_config). Returns the model's config."""
     path = Path(model_path).expanduser()
     merge = f"`python -m scripts.merge {path} OUT` and give OUT"
     if (path / "trainer_state.json").is_file():
@@ -105,7 +105,8 @@ def check_model_exists(model_path: str, flag: str) -> None:
         if path.exists() or model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1:
             raise SystemExit(f"{flag}: no such folder, and not a hub id (namespace/name)")
         check_hub_model(model_path, flag)
-    quantized = getattr(AutoConfig.from_pretrained(model_path), "quantization_config", None)
+    config = AutoConfig.from_pretrained(model_path)
+    quantized = getattr(config, "quantization_config", None)
     if quantized:  # FP8, GPTQ, AWQ, bitsandbytes: FSDP2 would shard packed integers as weights
         method = (quantized.get("quant_method") if isinstance(quantized, dict)
                   else getattr(quantized, "quant_method", "")) or "quantized"
@@ -113,6 +114,7 @@ def check_model_exists(model_path: str, flag: str) -> None:
                          "(FSDP2 trains, gathers and streams full-precision weights) nor the "
                          "merged weight sync supports; give the model's unquantized (bf16) "
                          "checkpoint")
+    return config
 
 
 def check_model_source(model_path: str, given: str, longest_sequence: int) -> None:
@@ -130,8 +132,7 @@ def check_model_source(model_path: str, given: str, longest_sequence: int) -> No
     folder it was built into).
     """
     flag = f"--actor.model-path {given}"
-    check_model_exists(model_path, flag)
-    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    config = check_model_exists(model_path, flag).get_text_config()
     if longest_sequence > config.max_position_embeddings:
         raise SystemExit("--data.max-prompt-length + --rollout.max-response-length = "
                          f"{longest_sequence} tokens exceed the context of {given} "

@@ -512,12 +512,13 @@ def main(cfg: Config) -> None:
     tokenizer = AutoTokenizer.from_pretrained(run.model_path)
     # a vision-language model's processor renders prompts with images and knows what an image
     # costs in tokens
-    vision_language = is_vision_language(AutoConfig.from_pretrained(run.model_path))
+    model_config = AutoConfig.from_pretrained(run.model_path)
+    vision_language = is_vision_language(model_config)
     processor = AutoProcessor.from_pretrained(run.model_path) if vision_language else None
     # multi-turn episodes against an environment
     episodes = episodes_of(cfg.rollout, cfg.tools, processor)
     train_set, val_set, loader, val_items = load_data(cfg, run, tokenizer, processor, episodes)
-    console.print(attention_line(device, AutoConfig.from_pretrained(run.model_path)))
+    console.print(attention_line(device, model_config))
     # refuse a run that cannot fit now, not with an out-of-memory error minutes later
     if device.type == "cuda":
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
