@@ -104,7 +104,7 @@ from datasets.fingerprint import generate_random_fingerprint
 from PIL import Image
 
 from plumbing.loading import load_template
-from vision import Video, image_tokens, placeholder_tokens, video_metadata, video_tokens
+from model.vision import Video, image_tokens, placeholder_tokens, video_metadata, video_tokens
 
 FILE_TYPES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 # marks where the user's text ends in a rendering, to leave the turn open there (open_turn)

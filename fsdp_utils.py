@@ -38,11 +38,11 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, PretrainedConfig
 
-from lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
+from model.lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
 from plumbing.attention import attention_implementation, linear_attention_per_sequence
 from plumbing.checkpoints import RUN_FILES, out_of_space, readable_like_other_files, size_text
 from plumbing.tiny import model_class
-from vision import family, is_vision_language, keep_vision_tower_in_step
+from model.vision import family, is_vision_language, keep_vision_tower_in_step
 
 
 def init_distributed(timeout_minutes: float = 30,

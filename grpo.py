@@ -48,13 +48,13 @@ from algorithms import (ADVANTAGE_ESTIMATORS, ENTROPY_METHODS, POLICY_LOSSES, RO
                         AdvantageInputs, AlgorithmConfig, DistillConfig, LossInputs, RewardKL,
                         aggregate, keep_group, kl_penalty, rollout_weights, token_rewards)
 from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
-from env import EpisodeRollout, check_environment, environment_class, episode_metrics, episodes_of
+from features.env import EpisodeRollout, check_environment, environment_class, episode_metrics, episodes_of
 from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source,
                         check_output_folder, init_distributed, load_actor_and_reference,
                         load_reward_model, load_teacher, reshard, save_hf_model)
 from logprobs import (Batch, batch_of, batched_logprobs, micro_batches, raw_logprobs,
                       response_logprobs, reward_model_scores)
-from lora import LoRAConfig, adapters_off
+from model.lora import LoRAConfig, adapters_off
 from plumbing.attention import attention_line
 from plumbing.balance import balance_over_ranks
 from plumbing.checkpoints import (agree_on_resume_point, hold_run_folder, load_model,
@@ -72,9 +72,9 @@ from plumbing.tiny import ARCHITECTURES, REAL_VOCABULARY, VISION_ARCHITECTURES, 
 from plumbing.trackers import Trackers, check_loggers, write_evaluation
 from rewards import Group, RewardConfig, RewardError, RewardFunction, RoundScores, Scoring
 from rollout import RolloutConfig, start_engine, vllm_environment
-from sequence_parallel import NO_SP, SequenceParallel
-from tools import ToolConfig
-from vision import is_vision_language
+from model.sequence_parallel import NO_SP, SequenceParallel
+from features.tools import ToolConfig
+from model.vision import is_vision_language
 
 
 @dataclass

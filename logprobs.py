@@ -42,11 +42,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_utils import reshard
-from lora import base_of
+from model.lora import base_of
 from plumbing.collectives import all_reduce, to_device
 from plumbing.memory import CHUNK_TOKENS  # the output head's chunk, sized by the memory estimate
-from sequence_parallel import NO_SP, SequenceParallel
-from vision import (PLACEHOLDER_BIAS, concat, expand, family, is_vision_language,
+from model.sequence_parallel import NO_SP, SequenceParallel
+from model.vision import (PLACEHOLDER_BIAS, concat, expand, family, is_vision_language,
                     placeholder_token_ids, repeat, vision_inputs)
 
 # what a batch field spans: [B, T], [B, R], one value a row

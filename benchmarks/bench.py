@@ -254,7 +254,7 @@ def part_sp(args) -> dict:
 
     from fsdp_utils import init_distributed, load_sharded_model
     from logprobs import make_batch, response_logprobs
-    from sequence_parallel import SequenceParallel
+    from model.sequence_parallel import SequenceParallel
 
     rank, world, device = init_distributed()
     model = load_sharded_model(args.model, device, trainable=True)
@@ -402,7 +402,7 @@ def tools_tables(args) -> None:
     import threading
 
     from plumbing.calls import Call, run_at_once
-    from tools import ToolCall, call_tool
+    from features.tools import ToolCall, call_tool
 
     def wait(seconds: float) -> str:
         """Wait, as a tool waiting on a server does.
@@ -447,7 +447,7 @@ def video_tables(args) -> None:
     from conftest import write_video  # the tests' video writer (PyAV)
     from data import DataConfig, probe_video, read_video
     from plumbing.tiny import build_tokenizer
-    from vision import expand
+    from model.vision import expand
 
     with tempfile.TemporaryDirectory() as tmp:
         moving = np.zeros((300, 360, 640, 3), dtype=np.uint8)  # 10 s at 30 a second, a bright square moving right

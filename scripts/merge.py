@@ -25,11 +25,11 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from fsdp_utils import check_output_folder, init_distributed, load_sharded_model, save_hf_model
-from lora import LoRAConfig
+from model.lora import LoRAConfig
 from plumbing.checkpoints import complete_checkpoints, load_model
 from plumbing.console import quiet_libraries, run
 from plumbing.tiny import resolve_model
-from vision import is_vision_language
+from model.vision import is_vision_language
 
 
 def checkpoint_and_run(source: Path) -> tuple[Path, Path]:

@@ -33,9 +33,9 @@ from rewards import Group
 from rollout import RolloutConfig, build_rollout, vllm_environment
 from rollout_worker import TEMPERATURE, cases, every_rank
 from data import OPEN_TURN
-from env import EpisodeRollout, RespondEnvironment, environment_class
-from tools import ToolConfig, ToolEnvironment, load_parser, load_tools, tool_schema
-from vision import image_tokens
+from features.env import EpisodeRollout, RespondEnvironment, environment_class
+from features.tools import ToolConfig, ToolEnvironment, load_parser, load_tools, tool_schema
+from model.vision import image_tokens
 
 TOOLS = '''
 def probe(row: dict, images: list) -> str | list:
@@ -46,7 +46,7 @@ def probe(row: dict, images: list) -> str | list:
     return [images[0].crop((0, 0, 56, 56)), value] if images else value
 '''
 PARSER = '''
-from tools import ToolCall
+from features.tools import ToolCall
 
 
 def every_turn(text):

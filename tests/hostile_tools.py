@@ -15,7 +15,7 @@ import threading
 from PIL import Image
 
 from plumbing import calls
-from tools import ToolCall, parse_qwen
+from features.tools import ToolCall, parse_qwen
 
 calls.STRAY_CALLS = 8  # a hanging tool is refused after its first turn's calls: 2 episodes x HANGING per rank
 HANGING = 6

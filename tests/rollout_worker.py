@@ -27,7 +27,7 @@ from plumbing.tiny import VISION_ARCHITECTURES, build_tiny_model
 from rollout import RolloutConfig, build_rollout, vllm_environment
 from conftest import stripes
 from launches import fresh_rendezvous
-from vision import Video, expand_prompt
+from model.vision import Video, expand_prompt
 
 TEMPERATURE = 0.7
 MISTIED = "_mistied"  # a vision-language checkpoint whose tie flags disagree (rollout.tie_overrides)

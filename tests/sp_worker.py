@@ -18,8 +18,8 @@ from conftest import stripes
 from fsdp_utils import init_distributed, load_sharded_model
 from logprobs import make_batch, response_logprobs
 from plumbing.tiny import build_tiny_model, build_tiny_vlm
-from sequence_parallel import SequenceParallel
-from vision import Video, expand_prompt
+from model.sequence_parallel import SequenceParallel
+from model.vision import Video, expand_prompt
 
 
 def gradients(model) -> dict[str, torch.Tensor]:

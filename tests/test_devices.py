@@ -26,7 +26,7 @@ from grpo import Config, Group, backward_mini_batch
 from logprobs import batched_logprobs, make_batch, response_logprobs
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
 from plumbing.metrics import logprob_metrics, score_metrics
-from vision import vision_inputs
+from model.vision import vision_inputs
 
 DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",

@@ -229,7 +229,7 @@ def test_the_sampled_signal_moves_the_student_towards_the_teacher(models, world_
     from algorithms import RewardKL
     from grpo import Config, advantages, backward_mini_batch
     from rewards import Group
-    from sequence_parallel import NO_SP
+    from model.sequence_parallel import NO_SP
 
     student, teacher = copy.deepcopy(models[0]), models[1]
     batch = make_batch(PROMPTS, RESPONSES, pad_id=0)

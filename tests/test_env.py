@@ -20,16 +20,16 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer
 
-import env
+import features.env as env
 import grpo
 from data import DataConfig, PromptDataset, toy_env_rows
-from env import (Episode, EpisodeRollout, RespondEnvironment, TextArenaGame, ToyVault, Unmade, check_environment,
+from features.env import (Episode, EpisodeRollout, RespondEnvironment, TextArenaGame, ToyVault, Unmade, check_environment,
                  cut_answer, environment_class, episodes_of)
 from plumbing.tiny import build_qwen_tokenizer, build_tiny_model
 from rewards import RewardConfig, RewardError, RewardFunction, env_reward, reward_inputs
 from rollout import Response, RolloutConfig
 from test_tools import IM_END, IM_START, IMAGE_PAD, VISION_END, VISION_START, ScriptedEngine, ids, turn
-from tools import ToolConfig, ToolEnvironment, load_parser, methods, tool_schema
+from features.tools import ToolConfig, ToolEnvironment, load_parser, methods, tool_schema
 
 QWEN_IM_END = 151645
 # the prompt of a row whose user text is "go", left open (data.py's open_turn), and what ends that turn

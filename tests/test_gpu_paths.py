@@ -31,7 +31,7 @@ from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig
 from conftest import ROOT
 from fsdp_utils import load_sharded_model, process_group_backend, save_hf_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch, response_logprobs
-from lora import LoRAConfig, adapters_off, add_adapters
+from model.lora import LoRAConfig, adapters_off, add_adapters
 from plumbing.attention import (FLASH, PACKED_SDPA, PACKED_VARLEN, attention_implementation, attention_line,
                                 flash_attn_problem, linear_kernel_problems, packed_sdpa_attention, packed_sdpa_mask)
 from plumbing.tiny import build_tiny_model, build_tiny_vlm

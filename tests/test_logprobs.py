@@ -24,7 +24,7 @@ from logprobs import (balanced_bins, batched_logprobs, budget_bins, forward_inpu
 from plumbing.attention import PACKED_SDPA, linear_attention_per_sequence
 from plumbing.metrics import logprob_metrics
 from plumbing.tiny import build_tiny_model, build_tiny_vlm
-from vision import Video, expand_prompt, family
+from model.vision import Video, expand_prompt, family
 
 PROMPTS = [[1, 20, 21, 22, 2], [1, 30], [1, 40, 41], [1, 25, 26, 27, 28, 29, 30], [1, 33]]
 RESPONSES = [[50, 51, 2], [60, 61, 62, 63, 2], [70], [80, 81], [90, 91, 92, 93, 94, 95, 96, 2]]

@@ -10,7 +10,7 @@ import pytest
 import tyro
 
 from data import DataConfig, PromptDataset, reasoning_gym_rows
-from env import Episode
+from features.env import Episode
 from plumbing.tiny import build_tokenizer
 from rewards import (RewardConfig, RewardError, RewardFunction, math_reward, overlong_penalty, r1v_reward,
                      Scoring, reasoning_gym_reward, reward_inputs, toy_reward)

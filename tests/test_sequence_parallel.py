@@ -14,7 +14,7 @@ from launches import launched_run, uses_runs
 from logprobs import forward_inputs, make_batch, response_logprobs
 from plumbing.attention import PACKED_SDPA
 from plumbing.tiny import build_tiny_model, build_tiny_vlm
-from sequence_parallel import SequenceParallel
+from model.sequence_parallel import SequenceParallel
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,13 @@ from transformers import AutoProcessor, AutoTokenizer
 from data import toy_tool_rows
 from plumbing.tiny import build_qwen_tokenizer, build_tiny_model, build_tokenizer, chatml_template
 from rewards import RewardInput, toy_tools_reward
-from env import Episode, EpisodeRollout, content, cut, episode_metrics
+from features.env import Episode, EpisodeRollout, content, cut, episode_metrics
 from plumbing import calls as plumbing_calls
 from plumbing.calls import Call, run_at_once
 from rollout import Response, RolloutConfig
-from tools import (ToolCall, ToolConfig, ToolEnvironment, ToolResult, calculate, call_tool, load_parser, load_tools,
+from features.tools import (ToolCall, ToolConfig, ToolEnvironment, ToolResult, calculate, call_tool, load_parser, load_tools,
                    parse_qwen, parse_toy, tool_schema)
-from vision import repeat
+from model.vision import repeat
 
 # the character tokenizer's ids (plumbing/tiny.py): 8 specials, then printable ASCII in string.printable's order
 IM_START, IM_END = 1, 2
@@ -152,7 +152,7 @@ def test_load_parser_by_name_or_from_a_file(tmp_path):
     """A built-in parser by name; `file.py:function` loads that function; a missing function or a bad spec fails."""
     assert load_parser("qwen") is parse_qwen and load_parser("toy") is parse_toy
     path = tmp_path / "bang_parser.py"
-    path.write_text("from tools import ToolCall\n\n\ndef bang(text):\n"
+    path.write_text("from features.tools import ToolCall\n\n\ndef bang(text):\n"
                     "    return [ToolCall('ping', {})] * text.count('!')\n")
     assert load_parser(f"{path}:bang")("a!b!") == [ToolCall("ping", {}), ToolCall("ping", {})]
     with pytest.raises(ValueError, match="has no 'nope'"):
@@ -649,7 +649,7 @@ def test_a_parser_that_raises_on_a_turn_fails_that_turns_call_and_one_of_the_wro
     counted as failed, the episode goes on; a parser returning something other than a list of ToolCall: a
     ValueError naming the flag (a bug in the parser, the run's one `error:` line)."""
     path = tmp_path / "fussy_parser.py"
-    path.write_text("from tools import ToolCall\n\n\ndef fussy(text):\n    if text == '?':\n"
+    path.write_text("from features.tools import ToolCall\n\n\ndef fussy(text):\n    if text == '?':\n"
                     "        raise RecursionError('too deep')\n    return [] if text[:1].isdigit() else 'lookup'\n")
     [[response]], _ = play(tokenizer, [[[turn("?")]], [[turn("7")]]], tool_parser=f"{path}:fussy",
                            max_response_length=160)

@@ -3,7 +3,7 @@ without a server), for `--rollout.env tests/trl_env.py:Echo` (tests/test_episode
 project. A random model never writes a real `<tool_call>`, so the run's parser, `every_turn`, reads every turn as a
 call of the environment's tool with the turn's text."""
 
-from tools import ToolCall
+from features.tools import ToolCall
 
 
 class Echo:

@@ -19,7 +19,7 @@ rollout.vllm_environment()  # before vLLM is imported
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
-import vision  # noqa: E402
+import model.vision as vision  # noqa: E402
 
 
 def sample(folder: str) -> list:

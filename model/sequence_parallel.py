@@ -40,9 +40,9 @@ from torch.distributed._functional_collectives import (all_gather_single_autogra
                                                         all_to_all_single_autograd)
 from transformers import AutoConfig
 
-from lora import base_of
+from model.lora import base_of
 from plumbing.attention import has_linear_attention
-from vision import family, is_vision_language
+from model.vision import family, is_vision_language
 
 
 @dataclass

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from env import Environment, Reply, check_images, content, cut, cut_answer
+from features.env import Environment, Reply, check_images, content, cut, cut_answer
 from plumbing.calls import Call, Outcome
 from plumbing.loading import load_module, load_object
 

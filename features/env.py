@@ -89,7 +89,7 @@ from plumbing.collectives import all_reduce
 from plumbing.console import first_to_report
 from plumbing.loading import load_object
 from rollout import Response, RolloutConfig, sampling
-from vision import image_tokens
+from model.vision import image_tokens
 
 STOP_REASONS = ("done", "max_turns", "length", "errors")
 # an answer's text is cut at this many characters per token of the episode's budget
@@ -819,7 +819,7 @@ def episodes_of(cfg: RolloutConfig, tool_cfg, processor) -> Episodes | None:
     shape (its public methods tools, beside --tools.functions: tools.ToolEnvironment); or the tool
     functions alone; None: one turn a sample. `tool_cfg`: tools.ToolConfig."""
     # tools.py builds on this file
-    from tools import ToolEnvironment, load_parser, load_tools, methods, tool_schema
+    from features.tools import ToolEnvironment, load_parser, load_tools, methods, tool_schema
 
     cls = environment_class(cfg.env) if cfg.env else None
     functions = load_tools(tool_cfg.functions) if tool_cfg.functions else {}
