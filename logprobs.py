@@ -47,7 +47,7 @@ from plumbing.collectives import all_reduce, to_device
 from plumbing.memory import CHUNK_TOKENS  # the output head's chunk, sized by the memory estimate
 from model.sequence_parallel import NO_SP, SequenceParallel
 from model.vision import (PLACEHOLDER_BIAS, concat, expand, family, is_vision_language,
-                    placeholder_token_ids, repeat, vision_inputs)
+                          placeholder_token_ids, repeat, vision_inputs)
 
 # what a batch field spans: [B, T], [B, R], one value a row
 SEQUENCE, RESPONSE, ROW = "sequence", "response", "row"

@@ -55,8 +55,8 @@ from data import PromptItem
 from fsdp_utils import gathered, stream_full_weights, weights_replaced
 from plumbing.attention import has_linear_attention
 from plumbing.checkpoints import load_engine_weights, read_state
-from model.vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language, placeholder_token_ids,
-                    vision_inputs)
+from model.vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language,
+                          placeholder_token_ids, vision_inputs)
 
 
 @dataclass

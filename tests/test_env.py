@@ -23,8 +23,8 @@ from transformers import AutoProcessor, AutoTokenizer
 import features.env as env
 import grpo
 from data import DataConfig, PromptDataset, toy_env_rows
-from features.env import (Episode, EpisodeRollout, RespondEnvironment, TextArenaGame, ToyVault, Unmade, check_environment,
-                 cut_answer, environment_class, episodes_of)
+from features.env import (Episode, EpisodeRollout, RespondEnvironment, TextArenaGame, ToyVault, Unmade,
+                          check_environment, cut_answer, environment_class, episodes_of)
 from plumbing.tiny import build_qwen_tokenizer, build_tiny_model
 from rewards import RewardConfig, RewardError, RewardFunction, env_reward, reward_inputs
 from rollout import Response, RolloutConfig

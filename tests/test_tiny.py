@@ -18,7 +18,7 @@ from model.lora import LoRAConfig
 from logprobs import make_batch, response_logprobs
 from plumbing.tiny import VISION_ARCHITECTURES, build_tiny_model, model_class
 from model.vision import (FAMILIES, Qwen2VLFamily, Video, expand, expand_prompt, family, keep_vision_tower_in_step,
-                    placeholder_token_ids, processor_family, token_types, video_tokens, vision_inputs)
+                          placeholder_token_ids, processor_family, token_types, video_tokens, vision_inputs)
 
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
 

@@ -26,8 +26,8 @@ from features.env import Episode, EpisodeRollout, content, cut, episode_metrics
 from plumbing import calls as plumbing_calls
 from plumbing.calls import Call, run_at_once
 from rollout import Response, RolloutConfig
-from features.tools import (ToolCall, ToolConfig, ToolEnvironment, ToolResult, calculate, call_tool, load_parser, load_tools,
-                   parse_qwen, parse_toy, tool_schema)
+from features.tools import (ToolCall, ToolConfig, ToolEnvironment, ToolResult, calculate, call_tool, load_parser,
+                            load_tools, parse_qwen, parse_toy, tool_schema)
 from model.vision import repeat
 
 # the character tokenizer's ids (plumbing/tiny.py): 8 specials, then printable ASCII in string.printable's order
