@@ -53,8 +53,8 @@ from transformers import AutoConfig
 
 from data import PromptItem
 from fsdp_utils import gathered, stream_full_weights, weights_replaced
-from plumbing.attention import has_linear_attention
 from plumbing.checkpoints import load_engine_weights, read_state
+from model.families import engine_dtype, kept_in_fp32, pack_again, tie_overrides
 from model.vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language,
                           placeholder_token_ids, vision_inputs)
 
@@ -248,13 +248,13 @@ class VLLMRollout:
     - Weight sync streams one full tensor at a time into the worker's in-place `reload_weights` (no
       disk round trip, no second copy of the model). On CPU, vLLM pre-packs weights for its GEMMs,
       and a reload misses two of those copies, so both are packed again after every sync: the
-      output head's with tied embeddings (the reload refreshes the embedding, not the head), and a
-      mixture of experts' expert weights (packed into the CPU kernel's layout at load only; a
-      reload writes the new weights in the checkpoint's layout into the packed storage). On GPUs
-      the reload runs each layer's weight processing again, experts included: nothing to redo.
+      output head's with tied embeddings and a mixture of experts' expert weights
+      (model/families.py, `pack_again`, says why). On GPUs the reload runs each layer's weight
+      processing again, experts included: nothing to redo.
     - The engine follows the trainer where a checkpoint's config is ambiguous: a vision-language
       model whose top-level tie flag and text config's disagree (transformers ties by the top-level
-      one, vLLM by the text config's) gets the top-level one in both (`tie_overrides`).
+      one, vLLM by the text config's) gets the top-level one in both
+      (model/families.py, `tie_overrides`).
     - Prefix caching on: the n samples of a prompt share one prefill. Its cache is reset at every
       sync, so no KV computed with old weights is ever reused; so is the encoder cache (vision
       embeddings).
@@ -316,7 +316,7 @@ class VLLMRollout:
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.logit_bias = {t: PLACEHOLDER_BIAS for t in placeholder_token_ids(hf_config)}
         self.seeds, self.device = SeedStream(cfg.seed, engine_index), device
-        self.fp32 = self._kept_in_fp32()
+        self.fp32 = kept_in_fp32(self._model, self.on_gpu, self.dtype)
         # the training step whose weights the engine holds (0: the checkpoint)
         self.weights_version = 0
         self.asleep = False  # awake with the checkpoint's weights until the first rollout is done
@@ -368,7 +368,7 @@ class VLLMRollout:
         self._worker.reload_weights(
             weights_iterator=stream_full_weights(model, self.dtype, self.device, self.fp32))
         if not self.on_gpu:
-            self._pack_again()
+            pack_again(self._model)
         on_loaded()
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
@@ -378,29 +378,6 @@ class VLLMRollout:
         # "Encoder cache miss"
         self.llm.llm_engine.reset_encoder_cache()
         self.weights_version = version
-
-    def _kept_in_fp32(self) -> tuple[str, ...]:
-        """The parameters a bf16 engine on CPU keeps in fp32 (Gated DeltaNet's A_log), by the last
-        two parts of their names (vLLM's and transformers' agree there): streamed in fp32, as the
-        trainer computes with them there. On GPUs the trainer computes with bf16 copies of its
-        weights (FSDP2's mixed precision), so bf16 is what the engine must get; an fp32 engine
-        takes fp32 anyway."""
-        if self.on_gpu or self.dtype == torch.float32:
-            return ()
-        return tuple(sorted({"." + ".".join(name.split(".")[-2:])
-                             for name, param in self._model.named_parameters()
-                             if param.dtype == torch.float32}))
-
-    def _pack_again(self) -> None:
-        """On CPU, after a reload: the weights vLLM packed for its CPU kernels at load, packed again
-        from the reloaded ones (class docstring): the output head (a VLM's sits in its language
-        model) and every mixture-of-experts layer's experts."""
-        for name, module in self._model.named_modules():
-            if name.split(".")[-1] == "lm_head" and hasattr(module, "quant_method"):
-                module.quant_method.process_weights_after_loading(module)
-            experts = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-            if experts is not None:
-                experts.fused_experts.process_weights_after_loading(module)
 
     def generate(self, prompts: list[PromptItem], version: int, validation: bool = False,
                  greedy: bool = False, n: int | None = None,
@@ -444,33 +421,6 @@ class VLLMRollout:
                           logprobs=[next(iter(step.values())).logprob for step in o.logprobs],
                           truncated=o.finish_reason == "length")
                  for o in out.outputs] for out in outputs]
-
-
-def engine_dtype(name: str, on_gpu: bool, config) -> torch.dtype:
-    """vLLM's dtype for --rollout.dtype `name`: auto is bf16 on GPU and fp32 on CPU (the trainer's
-    compute dtypes), except for a model with linear attention on CPU (Qwen3.5, Qwen3-Next), whose
-    CPU kernels run in bf16 only ("CPU GDN attention requires BF16"): bf16, and no other."""
-    if not on_gpu and has_linear_attention(config):
-        if name not in ("auto", "bfloat16"):
-            raise SystemExit(f"--rollout.dtype {name}: vLLM's CPU kernels for this model's "
-                             "linear-attention layers run in bfloat16 only; "
-                             "use --rollout.dtype auto")
-        return torch.bfloat16
-    return {"auto": torch.bfloat16 if on_gpu else torch.float32, "bfloat16": torch.bfloat16,
-            "float32": torch.float32, "float16": torch.float16}[name]
-
-
-def tie_overrides(config) -> dict:
-    """vLLM's config overrides that make it tie the output head as transformers does: a
-    vision-language model's text config may say otherwise than its top level (vLLM reads the text
-    config's flag, transformers the top level's). Untied in vLLM alone, the head is never loaded
-    (transformers saves a tied head once, as the embedding) and every log-prob is NaN; tied in vLLM
-    alone, the head is the embedding where the trainer's is not."""
-    text = config.get_text_config()
-    flag = getattr(text, "tie_word_embeddings", config.tie_word_embeddings)  # Qwen3-VL's has none
-    if text is config or flag == config.tie_word_embeddings:
-        return {}
-    return {"text_config": {"tie_word_embeddings": config.tie_word_embeddings}}
 
 
 def _cpu_shm_segments() -> list[Path]:

@@ -30,7 +30,7 @@ from launches import fresh_rendezvous
 from model.vision import Video, expand_prompt
 
 TEMPERATURE = 0.7
-MISTIED = "_mistied"  # a vision-language checkpoint whose tie flags disagree (rollout.tie_overrides)
+MISTIED = "_mistied"  # a vision-language checkpoint whose tie flags disagree (model/families.py, tie_overrides)
 
 
 def logprob_gap(actor, prompts, groups, pad_id, processor=None, mean=False, **support):

@@ -32,11 +32,11 @@ from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_
 
 from conftest import ENGINE_GAP, ENGINE_GAP_BF16, ENGINE_GAP_BF16_MAX, over_cases
 from logprobs import make_batch, response_logprobs
+from model.families import engine_dtype, tie_overrides
 from model.lora import LoRAConfig, add_adapters
 import plumbing.attention as attention
 from plumbing.attention import PACKED_SDPA, PACKED_VARLEN, linear_attention_per_sequence
 from plumbing.tiny import build_tiny_model
-from rollout import engine_dtype, tie_overrides
 from model.sequence_parallel import SequenceParallel
 from test_logprobs import PROMPTS, RESPONSES, assert_same_gradients, gradients
 
