@@ -38,11 +38,12 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, PretrainedConfig
 
+from model.families import linear_attention_per_sequence
 from model.lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
-from plumbing.attention import attention_implementation, linear_attention_per_sequence
+from model.vision import family, is_vision_language, keep_vision_tower_in_step
+from plumbing.attention import attention_implementation
 from plumbing.checkpoints import RUN_FILES, out_of_space, readable_like_other_files, size_text
 from plumbing.tiny import model_class
-from model.vision import family, is_vision_language, keep_vision_tower_in_step
 
 
 def init_distributed(timeout_minutes: float = 30,

@@ -55,8 +55,8 @@ from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_mode
                         load_reward_model, load_teacher, reshard, save_hf_model)
 from logprobs import (Batch, batch_of, batched_logprobs, micro_batches, raw_logprobs,
                       response_logprobs, reward_model_scores)
+from model.families import attention_line
 from model.lora import LoRAConfig, adapters_off
-from plumbing.attention import attention_line
 from plumbing.balance import balance_over_ranks
 from plumbing.checkpoints import (agree_on_resume_point, hold_run_folder, load_model,
                                   prepare_run_folder, read_state, resume, save_checkpoint,

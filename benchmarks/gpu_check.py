@@ -330,12 +330,12 @@ def timed(device, run) -> tuple[float, float, object]:
 
 def linear_attention_kernels(device, cpu: bool) -> dict:
     """One Gated DeltaNet layer of Qwen3.5-4B's shape (toy on the CPU) on a packed row, as the trainer runs it
-    (plumbing/attention.linear_attention_per_sequence), on the pure-torch reference and on the kernels."""
+    (model/families.linear_attention_per_sequence), on the pure-torch reference and on the kernels."""
     import torch
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    import plumbing.attention as attention
+    import model.families as families
 
     heads = dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                  linear_value_head_dim=16) if cpu else dict(hidden_size=2560, linear_num_key_heads=16,
@@ -346,7 +346,7 @@ def linear_attention_kernels(device, cpu: bool) -> dict:
     torch.manual_seed(0)
     holder = torch.nn.Module()
     holder.linear_attn = modeling.Qwen3_5GatedDeltaNet(config, 0).to(device, dtype)
-    attention.linear_attention_per_sequence(holder)
+    families.linear_attention_per_sequence(holder)
     lengths = [32 if cpu else 512] * 8
     hidden = torch.randn(1, sum(lengths), config.hidden_size, device=device, dtype=dtype, requires_grad=True)
     cu = torch.tensor([sum(lengths[:k]) for k in range(len(lengths) + 1)], dtype=torch.int32, device=device)
@@ -360,17 +360,17 @@ def linear_attention_kernels(device, cpu: bool) -> dict:
         out.backward(grad)
         return out.detach().float(), hidden.grad.float()
 
-    problems = attention.linear_kernel_problems(device.type)
+    problems = families.linear_kernel_problems(device.type)
     result = {"kernels": {package: problem or "runs" for package, problem in problems.items()}}
     rule, conv, kernel_problems = (modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn,
-                                   attention.linear_kernel_problems)
+                                   families.linear_kernel_problems)
     try:  # the reference: transformers' own functions behind its dispatch, the layer once per sequence
         modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn = rule.__wrapped__, conv.__wrapped__
-        attention.linear_kernel_problems = lambda device_type: {"fla": "reference", "causal-conv1d": "reference"}
+        families.linear_kernel_problems = lambda device_type: {"fla": "reference", "causal-conv1d": "reference"}
         seconds, peak, (out, dx) = timed(device, run)
     finally:
         modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn = rule, conv
-        attention.linear_kernel_problems = kernel_problems
+        families.linear_kernel_problems = kernel_problems
     result["reference"] = {"forward_backward_s": seconds, "peak_gib": peak, "tokens": sum(lengths)}
     if problems["fla"] is None:
         seconds, peak, (kernel_out, kernel_dx) = timed(device, run)

@@ -40,8 +40,8 @@ from torch.distributed._functional_collectives import (all_gather_single_autogra
                                                         all_to_all_single_autograd)
 from transformers import AutoConfig
 
+from model.families import has_linear_attention
 from model.lora import base_of
-from plumbing.attention import has_linear_attention
 from model.vision import family, is_vision_language
 
 

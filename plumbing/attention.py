@@ -20,10 +20,9 @@ layer's `sliding_window`) are kept by every packed path: packed_sdpa masks each 
 and flash-attn pass it to the kernel (window_size (W - 1, 0)). Attention sinks (gpt-oss's per-head `s_aux`), which
 neither varlen kernel has, are always packed_sdpa's: one extra key per head whose logit is the sink.
 
-Linear attention (the Gated DeltaNet layers of Qwen3.5 and Qwen3-Next, `linear_attention_per_sequence`) carries a
-convolution state and a recurrent state along the row: where its kernels run (flash-linear-attention and
-causal-conv1d, GPU) one call per row is given the packing; where transformers' pure-torch reference runs, which
-ignores it, the layer runs once per packed sequence.
+Linear attention (the Gated DeltaNet layers of Qwen3.5 and Qwen3-Next) is not attention in this sense: its layers
+carry a state along the row, and what makes them exact on a packed row is their family's (model/families.py). What
+they need of the packing is here (`PACKING`).
 
 All the trainer's attentions (packed_sdpa, packed_varlen, and flash-attn under transformers' own name) take a
 sequence-parallel group in their kwargs (`sequence_parallel`: sequence_parallel.py, whose pre-hook on the language
@@ -32,7 +31,6 @@ between the group's all-to-alls.
 """
 
 import functools
-import importlib
 
 import torch
 import torch.nn.functional as F
@@ -162,98 +160,6 @@ def flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 PACKING = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "packed_lengths")
 
 
-def has_linear_attention(config) -> bool:
-    """Whether a model has linear-attention layers (Qwen3.5, Qwen3-Next: Gated DeltaNet), whose state runs along
-    the whole row."""
-    return "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or [])
-
-
-def linear_attention_per_sequence(model) -> None:
-    """Make every linear-attention layer of `model` (a module named `linear_attn`: the Gated DeltaNet of Qwen3.5 and
-    Qwen3-Next) compute each sequence of a packed row from a zero state.
-
-    Such a layer carries two states along its row: a short causal convolution's (the last 3 tokens) and the delta
-    rule's recurrent state. transformers 5.19 hands the packing's cu_seq_lens_q to the delta rule (as `cu_seqlens`)
-    and the layer's other keyword arguments to the convolution, each filtered by the signature of the function that
-    runs (integrations/hub_kernels.py). Where the kernels run (linear_kernel_problems: flash-linear-attention's
-    chunk_gated_delta_rule takes cu_seqlens, causal-conv1d's causal_conv1d_fn takes `seq_idx`, the sequence of each
-    token), one call per row is exact once `seq_idx` is added (sequence_index). transformers' pure-torch reference
-    takes neither: in a packed row every sequence after the first would be computed as a continuation of the one
-    before it (log-probs off by ~0.02-0.07 nats, gradients by far more; tests/test_models.py), so there the layer
-    runs once per sequence, which costs launches, not arithmetic. A padded batch is exact either way (right padding
-    comes after each sequence). Any other call (generation with a cache, a padded batch, one sequence) is the
-    layer's own.
-    """
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] == "linear_attn":
-            module.forward = _per_packed_sequence(module.forward)
-
-
-def _per_packed_sequence(forward):
-    """`forward` (a linear-attention layer's) exact on a packed row: where the kernels run, one call given the packing
-    (and `seq_idx`); else once per sequence, split by `packed_lengths`, without the packing, concatenated back.
-    Lengths [3, 2]: the layer on tokens [0, 3) and on [3, 5), each from zero."""
-
-    def wrapped(hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        lengths = kwargs.get("packed_lengths")
-        if lengths is None or cache_params is not None or attention_mask is not None:
-            return forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-        if not any(linear_kernel_problems(hidden_states.device.type).values()):
-            return forward(hidden_states, seq_idx=sequence_index(kwargs["cu_seq_lens_q"], hidden_states.shape[1]),
-                           **kwargs)
-        alone = {key: value for key, value in kwargs.items() if key not in PACKING}
-        return torch.cat([forward(piece, **alone) for piece in hidden_states.split(lengths, 1)], 1)
-
-    return wrapped
-
-
-def sequence_index(cu_seq_lens: torch.Tensor, length: int) -> torch.Tensor:
-    """causal-conv1d's `seq_idx` for a packed row of `length` tokens: [1, length] int32, the sequence each token is in,
-    computed on the device (no host sync). cu_seq_lens [0, 3, 5] -> [[0, 0, 0, 1, 1]]."""
-    tokens = torch.arange(length, dtype=cu_seq_lens.dtype, device=cu_seq_lens.device)
-    return torch.searchsorted(cu_seq_lens[1:], tokens, right=True).int()[None]
-
-
-# the linear-attention kernels transformers 5.19 calls instead of its pure-torch reference where they import, by package
-LINEAR_KERNELS = {"fla": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
-                  "causal-conv1d": ("causal_conv1d", "causal_conv1d_fn")}
-
-
-@functools.cache
-def linear_kernel_problems(device_type: str) -> dict[str, str | None]:
-    """Why each linear-attention kernel (LINEAR_KERNELS) does not run here, by package (None: it runs). transformers
-    picks each when its model file is imported, by importing it, and takes its pure-torch reference on any error
-    (hub_kernels.use_kernel_func_from_hub_with_fallback): the same import here says which one its layers call. Both
-    are GPU kernels (Triton, CUDA)."""
-    problems = {}
-    for package, (module, name) in LINEAR_KERNELS.items():
-        problems[package] = "GPU only" if device_type != "cuda" else None
-        if device_type == "cuda":
-            try:
-                getattr(importlib.import_module(module), name)
-            except ImportError as error:
-                missing = error.name is not None and module.startswith(error.name)
-                problems[package] = "not installed (docs/install.md)" if missing else f"does not import: {error}"
-            except Exception as error:  # a build for another torch or CUDA
-                problems[package] = f"does not import: {type(error).__name__}: {error}"
-    return problems
-
-
-def linear_attention_line(device: torch.device) -> str:
-    """The console's line on which linear-attention kernels run; on a GPU, a fallback is a warning."""
-    problems = linear_kernel_problems(device.type)
-    rule = "fla's chunk kernel" if problems["fla"] is None else "transformers' pure-torch delta rule"
-    conv = "causal-conv1d" if problems["causal-conv1d"] is None else "transformers' pure-torch convolution"
-    if not any(problems.values()):
-        return f"linear attention: {rule} and {conv}, one call per packed row (cu_seqlens, seq_idx)"
-    why = "; ".join(f"{package}: {problem}" for package, problem in problems.items() if problem)
-    line = f"linear attention: {rule} and {conv}, once per packed sequence; {why}"
-    if device.type != "cuda":
-        return line
-    return (f"warning: {line}. The pure-torch delta rule launches many small kernels per layer and keeps several "
-            "times the activation memory plumbing/memory.py counts (docs/install.md: flash-linear-attention)")
-
-
 def sequence_parallel_aware(attention):
     """`attention` (transformers' interface) that, given `sequence_parallel` (sequence_parallel.py: the query, key and
     value are this rank's slice of a packed row), runs on all of the row's tokens of this rank's heads, between the
@@ -284,20 +190,15 @@ def attention_implementation(device: torch.device) -> str:
     return PACKED_VARLEN if varlen_problem(device.type) is None else PACKED_SDPA
 
 
-def attention_line(device: torch.device, config=None) -> str:
-    """The console's line on which attention the trainer runs, and why; for a model (`config`) with linear attention,
-    a second line on which linear-attention kernels run (linear_attention_line)."""
+def kernel_line(device: torch.device) -> str:
+    """The console's line on which attention kernel the trainer runs, and why."""
     flash, varlen = flash_attn_problem(device.type), varlen_problem(device.type)
     if flash is None:
-        line = "attention: flash-attn's varlen kernels (flash_attention_2)"
-    elif varlen is None:
-        line = f"attention: torch's varlen flash kernel (packed_varlen); flash-attn: {flash}"
-    else:
-        unused = f"flash-attn: {flash}" + (f"; torch's varlen kernel: {varlen}" if device.type == "cuda" else "")
-        line = f"attention: torch's sdpa once per packed sequence (packed_sdpa); {unused}"
-    if config is not None and has_linear_attention(config):
-        line += "\n" + linear_attention_line(device)
-    return line
+        return "attention: flash-attn's varlen kernels (flash_attention_2)"
+    if varlen is None:
+        return f"attention: torch's varlen flash kernel (packed_varlen); flash-attn: {flash}"
+    unused = f"flash-attn: {flash}" + (f"; torch's varlen kernel: {varlen}" if device.type == "cuda" else "")
+    return f"attention: torch's sdpa once per packed sequence (packed_sdpa); {unused}"
 
 
 @functools.cache

@@ -72,7 +72,7 @@ Design decisions:
 - Assumptions that make it an estimate: every sequence at full length (an upper bound); bf16 compute; a
   linear-attention layer's activations counted as an attention layer's (17h), what its GPU kernels (fla,
   causal-conv1d) keep: transformers' pure-torch fallback keeps several times more, which the start-up line says
-  (attention.linear_attention_line); CUDA graphs and caching beyond the
+  (model/families.linear_attention_line); CUDA graphs and caching beyond the
   fixed overhead are constants, not measurements.
   `perf/peak_memory_gib` (allocated) and `perf/peak_memory_reserved_gib` (what sizing needs: the allocator's
   cache included) in a real run's metrics are the measurements to trust.
@@ -86,7 +86,6 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from plumbing.attention import has_linear_attention
 from plumbing.tiny import model_class, resolve_model
 
 GiB = 2**30
@@ -148,6 +147,12 @@ def _counts_of(config_json: str) -> Counts:
                and not name.startswith("lm_head")]
     return Counts(total, total - sum(blocks), max(blocks, default=0), total - idle,
                   max(p.numel() for p in params.values()), max(adapted, default=0))
+
+
+def linear_attention_layers(config) -> int:
+    """Layers of linear attention (Qwen3.5's, Qwen3-Next's Gated DeltaNet), by the text config's `layer_types`: each
+    keeps a state of fixed size, not a KV cache, and its state runs along the whole row (no sequence parallelism)."""
+    return sum(kind == "linear_attention" for kind in getattr(config.get_text_config(), "layer_types", None) or [])
 
 
 def _experts(text) -> int:
@@ -284,8 +289,7 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or h // heads
-        # linear-attention layers (Qwen3.5's, Qwen3-Next's) keep a state of fixed size, not a KV cache
-        cached = sum(kind != "linear_attention" for kind in getattr(text, "layer_types", None) or ["full"] * L)
+        cached = L - linear_attention_layers(text)  # linear attention keeps a state of fixed size, no KV cache
         engine_items = {"HF engine: gathered bf16 params": 2 * P,
                         HF_KV_CACHE: T * cached * 2 * kv_heads * head_dim * 2}  # K and V, bf16
         vllm_needs = 0
@@ -317,7 +321,7 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                                      + held * teacher_in_loss.get_text_config().hidden_size * 2
                                      + min(held, CHUNK_TOKENS) * V * 16)
     assumed = ("linear attention as its kernels keep it (fla, causal-conv1d; the pure-torch fallback keeps several "
-               "times more)") if has_linear_attention(model_config) else ""
+               "times more)") if linear_attention_layers(model_config) else ""
     return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs, P, counts.active, assumed)
 
 
@@ -499,7 +503,7 @@ def hardware_table(gpu_gib: float = 80.0, models: dict | None = None) -> str:
         for config in models.values():
             options = {"max_seq_len": 8192, **setup}
             heads, split = config.get_text_config().num_attention_heads, options.get("sequence_parallel_size", 1)
-            if split > 1 and has_linear_attention(config):
+            if split > 1 and linear_attention_layers(config):
                 cells.append("- (linear attention)")
                 continue
             if heads % split:

@@ -32,8 +32,9 @@ from conftest import ROOT
 from fsdp_utils import load_sharded_model, process_group_backend, save_hf_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch, response_logprobs
 from model.lora import LoRAConfig, adapters_off, add_adapters
-from plumbing.attention import (FLASH, PACKED_SDPA, PACKED_VARLEN, attention_implementation, attention_line,
-                                flash_attn_problem, linear_kernel_problems, packed_sdpa_attention, packed_sdpa_mask)
+from model.families import attention_line, linear_kernel_problems
+from plumbing.attention import (FLASH, PACKED_SDPA, PACKED_VARLEN, attention_implementation, flash_attn_problem,
+                                kernel_line, packed_sdpa_attention, packed_sdpa_mask)
 from plumbing.tiny import build_tiny_model, build_tiny_vlm
 
 
@@ -281,7 +282,7 @@ def test_the_console_says_which_linear_attention_kernels_run(tmp_path, monkeypat
     here: neither is installed), a warning that the pure-torch reference runs; with both, one call per row; a model
     without linear attention, no such line. A package that is present but fails to import counts as absent, as it
     does for transformers (which then takes its reference)."""
-    import plumbing.attention as attention
+    import model.families as families
     from test_models import windowed_model
 
     hybrid = AutoConfig.from_pretrained(build_tiny_model("qwen3_next", tmp_path / "next"))
@@ -302,7 +303,7 @@ def test_the_console_says_which_linear_attention_kernels_run(tmp_path, monkeypat
         assert linear_kernel_problems("cuda")["causal-conv1d"] == "does not import: undefined symbol: _ZN3c10"
     finally:
         linear_kernel_problems.cache_clear()
-    monkeypatch.setattr(attention, "linear_kernel_problems", lambda device_type: {"fla": None, "causal-conv1d": None})
+    monkeypatch.setattr(families, "linear_kernel_problems", lambda device_type: {"fla": None, "causal-conv1d": None})
     assert attention_line(cuda, hybrid).splitlines()[1] == (
         "linear attention: fla's chunk kernel and causal-conv1d, one call per packed row (cu_seqlens, seq_idx)")
 
@@ -329,11 +330,11 @@ def test_flash_attn_is_used_only_if_it_imports_and_runs(tmp_path, monkeypatch):
     flash_attn_problem.cache_clear()
     try:
         assert "flash-attn: not installed (Install in the README); torch's varlen kernel: does not run here: " in \
-            attention_line(cuda)  # here: no CUDA at all
+            kernel_line(cuda)  # here: no CUDA at all
         flash_attn_problem.cache_clear()
         monkeypatch.syspath_prepend(str(tmp_path))
         assert attention_implementation(cuda) == PACKED_SDPA  # found, but it does not run (here: no CUDA at all)
-        assert attention_line(cuda).startswith("attention: torch's sdpa once per packed sequence (packed_sdpa); "
+        assert kernel_line(cuda).startswith("attention: torch's sdpa once per packed sequence (packed_sdpa); "
                                                "flash-attn: does not run here: ")
     finally:
         flash_attn_problem.cache_clear()
@@ -348,7 +349,7 @@ def test_without_flash_attn_a_gpu_attends_with_torchs_varlen_kernel_where_it_run
     monkeypatch.setattr(attention, "varlen_problem", lambda device_type: None)
     cuda = torch.device("cuda", 0)
     assert attention_implementation(cuda) == PACKED_VARLEN
-    assert attention_line(cuda) == "attention: torch's varlen flash kernel (packed_varlen); flash-attn: not installed"
+    assert kernel_line(cuda) == "attention: torch's varlen flash kernel (packed_varlen); flash-attn: not installed"
     monkeypatch.setattr(attention, "varlen_problem", lambda device_type: "GPU only")
     assert attention_implementation(torch.device("cpu")) == PACKED_SDPA
 

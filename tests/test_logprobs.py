@@ -21,7 +21,8 @@ from fsdp_utils import load_sharded_model
 from grpo import Config, backward_mini_batch, update_policy
 from logprobs import (balanced_bins, batched_logprobs, budget_bins, forward_inputs, make_batch, micro_batches,
                       response_logprobs)
-from plumbing.attention import PACKED_SDPA, linear_attention_per_sequence
+from model.families import linear_attention_per_sequence
+from plumbing.attention import PACKED_SDPA
 from plumbing.metrics import logprob_metrics
 from plumbing.tiny import build_tiny_model, build_tiny_vlm
 from model.vision import Video, expand_prompt, family

@@ -21,8 +21,8 @@ from conftest import ENGINE_GAP, FAST, ROOT, torchrun
 from launches import launched_run, uses_runs
 from fsdp_utils import load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
+from model.families import linear_attention_per_sequence
 from model.lora import LoRAConfig, adapters_off, base_name
-from plumbing.attention import linear_attention_per_sequence
 from plumbing.checkpoints import save_checkpoint
 from plumbing.tiny import build_tiny_model
 from scripts.merge import merge

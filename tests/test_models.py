@@ -2,7 +2,7 @@
 language model alone), Qwen3-MoE and Qwen3-Next, at tiny sizes (plumbing/tiny.py: one linear-attention and one
 full-attention layer where the family has both, 4 experts of which 2 per token where it has experts).
 
-- Packed rows: each sequence's log-probs and the gradients as the sequence alone (plumbing/attention.py runs every
+- Packed rows: each sequence's log-probs and the gradients as the sequence alone (model/families.py runs every
   linear-attention layer once per packed sequence on transformers' pure-torch reference; without that, the layer's
   state runs on from one sequence into the next). Where the kernels run (flash-linear-attention, causal-conv1d: GPU),
   one call per row given the packing, through stand-ins with the kernels' contracts. Qwen3.5's vision-language form:
@@ -32,10 +32,10 @@ from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_
 
 from conftest import ENGINE_GAP, ENGINE_GAP_BF16, ENGINE_GAP_BF16_MAX, over_cases
 from logprobs import make_batch, response_logprobs
-from model.families import engine_dtype, tie_overrides
+import model.families as families
+from model.families import engine_dtype, linear_attention_per_sequence, tie_overrides
 from model.lora import LoRAConfig, add_adapters
-import plumbing.attention as attention
-from plumbing.attention import PACKED_SDPA, PACKED_VARLEN, linear_attention_per_sequence
+from plumbing.attention import PACKED_SDPA, PACKED_VARLEN
 from plumbing.tiny import build_tiny_model
 from model.sequence_parallel import SequenceParallel
 from test_logprobs import PROMPTS, RESPONSES, assert_same_gradients, gradients
@@ -142,7 +142,7 @@ def test_where_the_kernels_run_a_packed_row_is_one_call_given_the_packing(paths,
     model = trainer_model(paths[architecture])
     calls = []
     kernel_stand_ins(monkeypatch, sys.modules[type(model).__module__], calls)
-    monkeypatch.setattr(attention, "linear_kernel_problems", lambda device_type: {"fla": None, "causal-conv1d": None})
+    monkeypatch.setattr(families, "linear_kernel_problems", lambda device_type: {"fla": None, "causal-conv1d": None})
     batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
     layers = model.config.get_text_config().layer_types.count("linear_attention")
     lengths = [len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)]
@@ -158,7 +158,7 @@ def test_where_the_kernels_run_a_packed_row_is_one_call_given_the_packing(paths,
     assert_same_gradients(gradients(model, lambda: response_logprobs(model, batch, 1.0, False), weights),
                           gradients(model, lambda: response_logprobs(model, batch, 1.0, True), weights))
 
-    monkeypatch.setattr(attention, "linear_kernel_problems",
+    monkeypatch.setattr(families, "linear_kernel_problems",
                         lambda device_type: {"fla": None, "causal-conv1d": "not installed"})
     calls.clear()
     with torch.no_grad():
