@@ -1,5 +1,11 @@
-"""The rollout engines: sample responses for the trainer, with their log-probs, from the
-current weights.
+"""The rollout: the engines that sample responses, with their log-probs, from the current weights,
+and the contract through which the trainer gets them, scored.
+
+The contract (the loop's one call: `buffer.get(version)`): a `RolloutProducer` owns the prompt
+loader, the engine, scoring and dynamic sampling's rounds, and makes one step's scored groups
+(`Rollouts`), every response tagged with the weights version that sampled it (`Response.version`);
+a `RolloutBuffer` hands them to the trainer, none older than its lag bound. A bound of 0 is the
+synchronous step: the groups are made when the trainer asks, with its current weights.
 
 Two engines behind one contract (`build_rollout`; `generate`, `sync_weights`, `sleep`, `shutdown`,
 `weights_version`), chosen with `--rollout.engine`:
@@ -51,9 +57,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from data import PromptItem
+from algorithms import ADVANTAGE_ESTIMATORS, AlgorithmConfig, keep_group
+from data import PromptItem, PromptLoader
 from fsdp_utils import gathered, stream_full_weights, weights_replaced
+from rewards import Group, RoundScores, Scoring
 from plumbing.checkpoints import load_engine_weights, read_state
+from plumbing.collectives import all_reduce
 from model.families import engine_dtype, kept_in_fp32, pack_again, tie_overrides
 from model.vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language,
                           placeholder_token_ids, vision_inputs)
@@ -137,6 +146,152 @@ class Response:
     episode: Any = None
     """A multi-turn episode's record (env.Episode: messages, turns, calls, stop reason); None for
     one turn."""
+    version: int = 0
+    """The weights version that sampled it: the engine's `weights_version` then (the training steps
+    whose weights it held; 0: the checkpoint's). The producer stamps what it hands the trainer."""
+
+# ==================================================================================================
+# THE ROLLOUT CONTRACT: a producer makes scored groups, a buffer hands them to the trainer
+# ==================================================================================================
+
+
+@dataclass
+class Rollouts:
+    """One step's worth of this rank's groups, as the trainer gets them (RolloutBuffer.get).
+
+    Every response carries the weights version that sampled it (Response.version). `scores` gives
+    the groups what may still be coming: an async reward function's scores (they are computed beside
+    the trainer's log-prob passes) and the reward model's (a pass over the trainer's batch):
+    rewards.RoundScores. `metrics`: the sampling's (rounds, the share of groups kept, skipped ones).
+    """
+
+    groups: list[Group]
+    scores: RoundScores
+    metrics: dict
+
+
+class RolloutProducer:
+    """What makes the trainer's groups, in one owner: the prompt loader, the engine (an episode
+    engine plays whole episodes: features/), scoring, and dynamic sampling's rounds.
+
+    `produce(version)` generates and scores rounds of prompts until this rank holds `quota` kept
+    groups, each response stamped with the weights version the engine held. One round, unless
+    dynamic sampling (--algorithm.online-filtering) or --reward.on-error skip-group drops groups:
+    then more rounds, in lockstep over all ranks (one all-reduce of the kept counts a round), until
+    every rank has its quota (extras are cut). An estimator that needs a greedy baseline (ReMax)
+    also gets one greedy response per prompt, whose score is that group's baseline. Where groups
+    can be dropped, the reward function's scores are waited for before the trainer gets the groups
+    (dynamic sampling filters on them); otherwise they may still be coming (Rollouts.scores).
+    """
+
+    def __init__(self, engine, loader: PromptLoader, scoring: Scoring, algo: AlgorithmConfig,
+                 quota: int, skip_failed: bool, device: torch.device):
+        self.engine, self.loader, self.scoring, self.algo = engine, loader, scoring, algo
+        self.quota, self.skip_failed, self.device = quota, skip_failed, device
+        self.greedy_baseline = getattr(ADVANTAGE_ESTIMATORS[algo.adv_estimator],
+                                       "greedy_baseline", False)
+
+    def produce(self, version: int, timer) -> Rollouts:
+        """This rank's `quota` groups for the trainer at weights `version` (the training steps
+        done), generated and scored; `timer`: plumbing.metrics.PhaseTimer."""
+        algo = self.algo
+        kept, generated, skipped = [], 0, 0
+        for rounds in range(1, algo.max_sampling_rounds + 1):
+            items = self.loader.next_batch()
+            with timer("generate"):
+                held = self.engine.weights_version  # the weights that sample this round
+                responses = self.engine.generate(items, version)
+                greedy = (self.engine.generate(items, version, greedy=True)
+                          if self.greedy_baseline else None)
+            for response in (r for group in responses for r in group):
+                response.version = held
+            groups, scores = self.scoring.start(items, responses, step=version)
+            # nothing drops groups: the scores may come later
+            if not (algo.online_filtering or self.skip_failed or greedy):
+                return Rollouts(groups, scores, {"rollout/sampling_rounds": 1,
+                                                 "rollout/kept_groups_ratio": 1.0})
+            with timer("reward"):
+                scores.function_scores(groups)
+                for group, greedy_group in zip(groups,
+                                               self.scoring(items, greedy) if greedy else []):
+                    group.baseline = greedy_group.scores[0]["overall"]
+            for group in groups:
+                if self.skip_failed and any(s["failed"] for s in group.scores):
+                    skipped += 1
+                elif not algo.online_filtering or keep_group(group.scores, algo.filter_key,
+                                                             algo.filter_low, algo.filter_high):
+                    kept.append(group)
+            generated += len(items)
+            if all_reduce({"kept": len(kept)}, self.device,
+                          dist.ReduceOp.MIN)["kept"] >= self.quota:
+                break
+        else:
+            self.give_up()
+        kept = kept[: self.quota]
+        totals = all_reduce({"kept": len(kept), "generated": generated, "skipped": skipped},
+                            self.device)
+        return Rollouts(kept, RoundScores(self.scoring, pending=None),
+                        {"rollout/sampling_rounds": rounds,
+                         "rollout/kept_groups_ratio": totals["kept"] / totals["generated"],
+                         "rollout/skipped_groups": totals["skipped"]})
+
+    def give_up(self) -> None:
+        """The run's end when --algorithm.max-sampling-rounds rounds left some rank short of its
+        quota, naming what the groups had to be."""
+        algo = self.algo
+        wanted = (([f"{algo.filter_low} < mean {algo.filter_key} < {algo.filter_high} "
+                    "(dynamic sampling)"] if algo.online_filtering else [])
+                  + (["no failed reward (skip-group)"] if self.skip_failed else []))
+        raise SystemExit(f"after {algo.max_sampling_rounds} rounds some rank kept fewer than "
+                         f"{self.quota} groups with {' and '.join(wanted)}. Raise "
+                         "--algorithm.max-sampling-rounds, widen the bounds, fix the reward, or "
+                         "pick an easier start (model, data).")
+
+    def state_dict(self) -> dict:
+        """Where the producer stands: the loader's position (in global prompts, valid on any number
+        of ranks), under the key checkpoints have always kept it."""
+        return {"loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+
+
+class RolloutBuffer:
+    """Where the trainer gets its groups: `get(version)`, the loop's one call for them, hands one
+    step's Rollouts none of whose samples was generated with weights more than `max_lag` versions
+    older than the trainer's `version`.
+
+    A bound of 0 is the synchronous step: the producer generates the groups when they are asked for,
+    with the trainer's current weights (--rollout.staleness 1: an engine a step behind, bound 1).
+    The trainer sees only this contract, so a producer that runs ahead of it (asynchronous RL) puts
+    its groups here as they are done and `get` takes those within the bound, the step unchanged;
+    the groups held then go into the checkpoint beside the loader's position (`state_dict`).
+    """
+
+    def __init__(self, producer: RolloutProducer, max_lag: int):
+        self.producer, self.max_lag = producer, max_lag
+
+    def get(self, version: int, timer) -> Rollouts:
+        """This rank's groups for the trainer at weights `version` (the training steps done), no
+        sample older than `version - max_lag`; `timer`: plumbing.metrics.PhaseTimer."""
+        rollouts = self.producer.produce(version, timer)
+        oldest = min((r.version for g in rollouts.groups for r in g.responses), default=version)
+        if oldest < version - self.max_lag:
+            raise RuntimeError(f"a sample of weights version {oldest} reached the trainer at "
+                               f"version {version}, beyond the lag bound {self.max_lag}")
+        return rollouts
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the rollouts (the producer's position; JSON)."""
+        return self.producer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.producer.load_state_dict(state)
+
+
+# ==================================================================================================
+# The engines: build, start, the weights version, the sampling settings and seeds
+# ==================================================================================================
 
 
 def build_rollout(cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device,
