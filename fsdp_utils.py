@@ -38,7 +38,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, PretrainedConfig
 
-from model.families import linear_attention_per_sequence
+from model.families import check_supported, linear_attention_per_sequence
 from model.lora import LoRAConfig, add_adapters, base_of, has_adapters, merged_weights
 from model.vision import family, is_vision_language, keep_vision_tower_in_step
 from plumbing.attention import attention_implementation
@@ -77,10 +77,6 @@ def process_group_backend(device_type: str, cpu_offload: bool) -> str:
     if device_type != "cuda":
         return "gloo"
     return "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
-
-
-# name: no-op values
-LOGIT_TRANSFORMS = {"final_logit_softcapping": (0,), "logit_scale": (1,), "logits_scaling": (1,)}
 
 
 def check_model_exists(model_path: str, flag: str) -> PretrainedConfig:
@@ -122,10 +118,8 @@ def check_model_source(model_path: str, given: str, longest_sequence: int) -> No
     """Fail at start-up, in one line, on a model that cannot load or cannot hold the run's
     sequences: a folder without config.json, a path that does not exist, a hub id the hub does not
     have, or one this machine can neither reach nor finds in its Hugging Face cache;
-    prompt + response longer than the model's context; a model whose output head transforms its
-    logits (final soft-capping, scaling: LOGIT_TRANSFORMS), which the trainer's head, run outside
-    the model's forward, would skip, or its attention scores (Gemma 2), which the packed attention
-    would.
+    prompt + response longer than the model's context; a family the trainer cannot compute exactly
+    (model/families.py, `check_supported`: soft-capped or scaled logits or attention scores).
 
     A hub id is looked up once, with a short timeout: offline, transformers would retry every file
     for a long while before failing (docs/running.md). Offline with a cached copy, every later load
@@ -139,20 +133,7 @@ def check_model_source(model_path: str, given: str, longest_sequence: int) -> No
                          f"{longest_sequence} tokens exceed the context of {given} "
                          f"({config.max_position_embeddings} tokens, max_position_embeddings): "
                          "lower either")
-    transforms = [f"{name} {value}" for name, neutral in LOGIT_TRANSFORMS.items()
-                  if (value := getattr(config, name, None)) is not None and value not in neutral]
-    if transforms:
-        raise SystemExit(f"{flag}: the model transforms its logits in its forward "
-                         f"({', '.join(transforms)}), and the trainer computes log-probs from the "
-                         "decoder's hidden states with the output head alone (logprobs.py): its "
-                         "log-probs would not be the model's. Models with final logit "
-                         "soft-capping or scaling (Gemma 2/3, Cohere, Granite) are not supported")
-    capped = getattr(config, "attn_logit_softcapping", None)
-    if capped:  # Gemma 2's: flash-attn's kernel applies it, packed_sdpa and torch's varlen do not
-        raise SystemExit(f"{flag}: the model soft-caps its attention scores "
-                         f"(attn_logit_softcapping {capped}), which the trainer's packed attention "
-                         "(plumbing/attention.py) does not apply: its log-probs would not be the "
-                         "model's; not supported")
+    check_supported(config, flag)
 
 
 def check_hub_model(repo_id: str, flag: str) -> None:

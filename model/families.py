@@ -12,6 +12,8 @@ need a line in, in one place.
   head and a mixture of experts' expert weights.
 - The tie flags (`tie_overrides`): a vision-language model whose top-level flag and text config's
   disagree.
+- The families refused at start-up (`check_supported`): those whose forward soft-caps or scales
+  the logits (Gemma 2/3, Cohere, Granite) or soft-caps the attention scores (Gemma 2).
 
 Sliding windows and attention sinks are no family's here: transformers hands them to each
 attention call, and the packed kernels keep them (plumbing/attention.py). A vision-language
@@ -203,3 +205,32 @@ def tie_overrides(config) -> dict:
     if text is config or flag == config.tie_word_embeddings:
         return {}
     return {"text_config": {"tie_word_embeddings": config.tie_word_embeddings}}
+
+
+# ==================================================================================================
+# Refused: what the trainer would compute otherwise than the model's forward
+# ==================================================================================================
+
+# name: no-op values
+LOGIT_TRANSFORMS = {"final_logit_softcapping": (0,), "logit_scale": (1,), "logits_scaling": (1,)}
+
+
+def check_supported(config, flag: str) -> None:
+    """Fail at start-up, in one line naming `flag`, on a model (its text `config`) whose output head
+    transforms its logits (final soft-capping, scaling: LOGIT_TRANSFORMS), which the trainer's head,
+    run outside the model's forward, would skip, or its attention scores (Gemma 2), which the packed
+    attention would."""
+    transforms = [f"{name} {value}" for name, neutral in LOGIT_TRANSFORMS.items()
+                  if (value := getattr(config, name, None)) is not None and value not in neutral]
+    if transforms:
+        raise SystemExit(f"{flag}: the model transforms its logits in its forward "
+                         f"({', '.join(transforms)}), and the trainer computes log-probs from the "
+                         "decoder's hidden states with the output head alone (logprobs.py): its "
+                         "log-probs would not be the model's. Models with final logit "
+                         "soft-capping or scaling (Gemma 2/3, Cohere, Granite) are not supported")
+    capped = getattr(config, "attn_logit_softcapping", None)
+    if capped:  # Gemma 2's: flash-attn's kernel applies it, packed_sdpa and torch's varlen do not
+        raise SystemExit(f"{flag}: the model soft-caps its attention scores "
+                         f"(attn_logit_softcapping {capped}), which the trainer's packed attention "
+                         "(plumbing/attention.py) does not apply: its log-probs would not be the "
+                         "model's; not supported")
