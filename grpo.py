@@ -48,8 +48,8 @@ from algorithms import (ADVANTAGE_ESTIMATORS, ENTROPY_METHODS, POLICY_LOSSES, RO
                         AdvantageInputs, AlgorithmConfig, DistillConfig, LossInputs, RewardKL,
                         aggregate, keep_group, kl_penalty, rollout_weights, token_rewards)
 from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
-from features.env import (EpisodeRollout, check_environment, environment_class, episode_metrics,
-                          episodes_of)
+from features.env import check_environment, environment_class
+from features.episodes import EpisodeRollout, episode_metrics, episodes_of
 from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source,
                         check_output_folder, init_distributed, load_actor_and_reference,
                         load_reward_model, load_teacher, reshard, save_hf_model)

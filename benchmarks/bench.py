@@ -25,7 +25,7 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   own cost; and the built-in tool task's job (`grpo.py toy_tools`): its mean time per phase and the seconds its
   episodes spent in the tool.
 - video (`--only video`): what a video costs before the model sees it. Reading a clip (PyAV's decode and the frames
-  kept, data.read_video) and the probe that counts its tokens at start-up (data.probe_video), for a 10 s, 30 frames a
+  kept, media.read_video) and the probe that counts its tokens at start-up (media.probe_video), for a 10 s, 30 frames a
   second 640 x 360 H.264 clip; the processor's expansion of its frames for the trainer (vision.expand) at Qwen2.5-VL's
   real sizes; and the built-in video task's job (`grpo.py toy_motion`): its mean time per phase.
 - rewards (`--only rewards`): what each kind of reward costs a step of the default job (512 samples, 256 a rank): the
@@ -445,9 +445,10 @@ def video_tables(args) -> None:
 
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import write_video  # the tests' video writer (PyAV)
-    from data import DataConfig, probe_video, read_video
+    from data import DataConfig
+    from model.vision import Video, expand
+    from plumbing.media import probe_video, read_video
     from plumbing.tiny import build_tokenizer
-    from model.vision import expand
 
     with tempfile.TemporaryDirectory() as tmp:
         moving = np.zeros((300, 360, 640, 3), dtype=np.uint8)  # 10 s at 30 a second, a bright square moving right
@@ -461,7 +462,7 @@ def video_tables(args) -> None:
         probe = (time.perf_counter() - start) / args.repeats
         start = time.perf_counter()
         for _ in range(args.repeats):
-            video = read_video(str(clip), cfg, "clip")
+            video = Video(*read_video(str(clip), cfg, "clip"))
         read = (time.perf_counter() - start) / args.repeats
         with av.open(str(clip)) as container:
             codec = container.streams.video[0].codec_context.name
@@ -474,8 +475,8 @@ def video_tables(args) -> None:
     print(f"A 10 s clip, 640 x 360 at 30 frames a second ({codec}); {len(video.indices)} frames kept at "
           f"--data.video-fps {cfg.video_fps} ({video.frames.shape[2]} x {video.frames.shape[1]}), {len(ids):,} tokens "
           f"at Qwen2.5-VL's processor sizes:\n\n| measure | seconds |\n|---|---|")
-    print(f"| the start-up probe of its frame count, rate and size (data.probe_video) | {probe:.4f} |")
-    print(f"| reading it: decode, the frames kept, resized (data.read_video) | {read:.3f} |")
+    print(f"| the start-up probe of its frame count, rate and size (media.probe_video) | {probe:.4f} |")
+    print(f"| reading it: decode, the frames kept, resized (media.read_video) | {read:.3f} |")
     print(f"| the trainer's expansion: the processor on its frames (vision.expand) | {expansion:.3f} |")
     lines = job_steps(args, "toy_motion")
     print(f"\nThe built-in video task, mean over steps 2-{args.steps} (`torchrun --nproc_per_node 2 grpo.py "
@@ -487,7 +488,7 @@ def video_tables(args) -> None:
 REWARD_FILE = '''
 import asyncio
 
-from rewards import toy_reward
+from tasks.toy import reward as toy_reward
 
 
 def batched(inputs):

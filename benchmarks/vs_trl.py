@@ -54,8 +54,8 @@ def trl_side(model: str, out: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(ROOT))
-    from data import toy_rows
-    from rewards import toy_reward
+    from tasks.toy import reward as toy_reward
+    from tasks.toy import rows as toy_rows
 
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": row["problem"]}], "answer": row["answer"]}
                                  for row in toy_rows("train")])

@@ -1,5 +1,5 @@
 """Tools: Python functions the model calls in its turns, and the tool environment that runs
-them (env.py).
+them (one kind of features/env.py's environments).
 
     # the built-in task: an answer only a lookup tool knows
     torchrun --nproc_per_node 2 grpo.py toy_tools
@@ -16,8 +16,9 @@ ones begin):
       \\n<|im_start|>assistant\\n
     | The answer is 42.<|im_end|>
 The episode (turn after turn, token in and token out, the mask, the budget, calls at once, ranks in
-lockstep) is env.py's; this file is what is particular to tools: the calls a turn makes, and their
-results as the next turn.
+lockstep) is features/episodes.py's; this file is what is particular to tools: the calls a turn
+makes, and their results as the next turn. The built-in tools are tasks' (`--tools.functions NAME`:
+the `tools` of tasks/NAME.py or tasks/NAME_tools.py: toy, calculator).
 
 Design decisions:
 - A tool is a typed Python function with a Google-style docstring, or a public method of an
@@ -27,10 +28,10 @@ Design decisions:
   own template would. Parameters named `row` (the dataset row) and `images` (the episode's images so
   far: the prompt's, then the environment's) are filled in by the loop and kept out of the schema: a
   lookup keyed by the row, a crop of the input image.
-- The parser is one function from a turn's text to its calls (PARSERS; Qwen's `<tool_call>` JSON by
-  default). A call records its source text, which the turn's message leaves out of its content: the
-  episode's messages hold each call once, in `tool_calls`, so that rendering them again (for a
-  judge, a reward, a log) shows it once.
+- The parser is one function from a turn's text to its calls (load_parser; Qwen's `<tool_call>`
+  JSON by default, a task's `parser` by its name). A call records its source text, which the turn's
+  message leaves out of its content: the episode's messages hold each call once, in `tool_calls`,
+  so that rendering them again (for a judge, a reward, a log) shows it once.
 - Tools fail safely: a call that raises (sys.exit too; os._exit and os.fork raise:
   plumbing/calls.py), runs past --tools.timeout, names no tool, has arguments the function does not
   take, or returns something other than text or an image the model can read, and a turn the parser
@@ -43,13 +44,10 @@ Design decisions:
   its own.
 """
 
-import ast
 import copy
 import functools
 import inspect
 import json
-import math
-import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +56,7 @@ from PIL import Image
 
 from features.env import Environment, Reply, check_images, content, cut, cut_answer
 from plumbing.calls import Call, Outcome
-from plumbing.loading import load_module, load_object
+from plumbing.loading import load_module, load_object, task_piece, tasks_with
 
 INJECTED = ("row", "images")  # tool parameters the loop fills in; the model never sees them
 
@@ -67,11 +65,11 @@ INJECTED = ("row", "images")  # tool parameters the loop fills in; the model nev
 class ToolConfig:
     functions: str = ""
     """Tools the model may call, turn after turn: a Python file or module whose public functions (or
-    TOOLS list) are the tools, or a built-in set (toy, calculator); empty: none (an environment
-    class's public methods are tools too: --rollout.env)."""
+    TOOLS list) are the tools, or a built-in task's (toy, calculator: tasks/); empty: none (an
+    environment class's public methods are tools too: --rollout.env)."""
     parser: str = "qwen"
     """How a turn's text calls tools: qwen (`<tool_call>` JSON), toy (a turn not led by a digit
-    calls lookup), or path/to/file.py:function."""
+    calls lookup: tasks/toy_tools.py), or path/to/file.py:function."""
     timeout: float = 5.0
     """Seconds a tool call may run before the model is told it timed out (0: no limit)."""
 
@@ -126,68 +124,17 @@ def parse_qwen(text: str) -> list[ToolCall]:
     return calls
 
 
-def parse_toy(text: str) -> list[ToolCall]:
-    """The built-in task's call syntax, which a random model hits from the start: a turn that does
-    not begin with a digit (the answer) looks the answer up; the whole turn is the call.
-
-    'ab' -> [ToolCall("lookup", {}, source="ab")]; ' 7' -> [] (an answer)
-    """
-    return [] if text.strip()[:1].isdigit() else [ToolCall("lookup", {}, source=text)]
-
-
-PARSERS = {"qwen": parse_qwen, "toy": parse_toy}
-
-
 def load_parser(spec: str) -> Callable[[str], list[ToolCall]]:
-    """A parser by name (PARSERS) or `path/to/file.py:function` (text -> list[ToolCall])."""
-    if spec in PARSERS:
-        return PARSERS[spec]
+    """A parser by name: qwen, or a built-in task's (NAME: the `parser` of tasks/NAME.py or
+    tasks/NAME_tools.py); or `path/to/file.py:function` (text -> list[ToolCall])."""
+    parser = parse_qwen if spec == "qwen" else task_piece(spec, "parser", "tools")
+    if parser is not None:
+        return parser
     parser = load_object(spec, "tool_parser", "--tools.parser",
-                         f"a built-in ({', '.join(PARSERS)})")
+                         f"a built-in ({', '.join(['qwen', *tasks_with('parser', 'tools')])})")
     if not callable(parser):
         raise ValueError(f"--tools.parser {spec!r} is a {type(parser).__name__}, not a function")
     return parser
-
-
-# --------------------------------------------------------------------------------------------------
-# Built-in tools
-# --------------------------------------------------------------------------------------------------
-
-
-def lookup(row: dict) -> str:
-    """Look up the value this question asks for in the hidden table."""
-    return str(row["answer"])
-
-
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-              ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-              ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
-
-
-def calculate(expression: str) -> str:
-    """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.
-
-    Args:
-        expression: the expression, e.g. "(3 + 4) * 12 / 7"
-    """
-    def value(node):
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and (abs(right) > 100 or abs(left) > 1 and
-                                                 right * math.log10(abs(left)) > 300):
-                raise ValueError("too large: a power of over 300 digits, or an exponent over 100")
-            return _OPERATORS[type(node.op)](left, right)
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-            return _OPERATORS[type(node.op)](value(node.operand))
-        raise ValueError(f"not arithmetic: {ast.unparse(node)}")
-
-    result = value(ast.parse(expression, mode="eval").body)
-    return str(round(result, 10) if isinstance(result, float) else result)
-
-
-BUILTIN_TOOLS = {"toy": [lookup], "calculator": [calculate]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,13 +143,13 @@ BUILTIN_TOOLS = {"toy": [lookup], "calculator": [calculate]}
 
 
 def load_tools(spec: str) -> dict[str, Callable]:
-    """The tools `spec` names, by name: a built-in set (BUILTIN_TOOLS), or a Python file or module
-    whose TOOLS list (if it has one) or public functions defined in it are the tools."""
-    if spec in BUILTIN_TOOLS:
-        functions = BUILTIN_TOOLS[spec]
-    else:
+    """The tools `spec` names, by name: a built-in task's (NAME: the `tools` list of tasks/NAME.py
+    or tasks/NAME_tools.py), or a Python file or module whose TOOLS list (if it has one) or public
+    functions defined in it are the tools."""
+    functions = task_piece(spec, "tools", "tools")
+    if functions is None:
         module = load_module(spec, "tools", "--tools.functions",
-                             f"a built-in ({', '.join(BUILTIN_TOOLS)})")
+                             f"a built-in ({', '.join(tasks_with('tools', 'tools'))})")
         functions = module.TOOLS if hasattr(module, "TOOLS") else [
             value for name, value in vars(module).items()
             if inspect.isfunction(value) and value.__module__ == module.__name__

@@ -1,5 +1,6 @@
-"""The judge's client: a model served at an OpenAI-compatible endpoint (`vllm serve`, an API), asked one prompt at a
-time, each prompt once (rewards.py's `judge` reward renders the prompt and reads the score).
+"""The `judge` reward (Judge, which rewards.py's RewardFunction makes for --reward.function judge) and its client: a
+model served at an OpenAI-compatible endpoint (`vllm serve`, an API), asked one prompt at a time, each prompt once
+(Judge renders the prompt and reads the score).
 
 - At start-up one request (`model`) lists the endpoint's models, within the time limit and not retried: a URL that
   refuses, names no host or does not answer ends the run there, not at the first rollout.
@@ -12,9 +13,12 @@ time, each prompt once (rewards.py's `judge` reward renders the prompt and reads
 
 import asyncio
 import json
+import re
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from plumbing.loading import load_object, load_template
 
 
 class JudgeError(Exception):
@@ -120,3 +124,81 @@ def model_names(body: str) -> list[str]:
     if not isinstance(models, list):
         return []
     return [m["id"] for m in models if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+# ---------------------------------------------------------------------------------------------------- the reward
+
+
+class Judge:
+    """The `judge` reward (--reward.function judge): a model served at an OpenAI-compatible endpoint (`vllm serve`, an
+    API) grades each response (JudgeClient asks it: once a prompt, retried, the endpoint found at start-up). Its prompt
+    is --reward.judge-template rendered with the prompt, the response, the ground truth and the row; its score the last
+    match of --reward.judge-parser in the reply (or what a parser function returns). The requests go out at once (at
+    most --reward.max-concurrency). A reply that is no chat completion or holds no score, and a parser function that
+    raises, are the sample's failure (--reward.on-error), named with the start of the reply. `config`:
+    rewards.RewardConfig (its judge_* fields); `error`: the class every failure is raised as (rewards.RewardError).
+    """
+
+    def __init__(self, config, error: type[Exception]):
+        self.error = error
+        if not config.judge_url:
+            raise error("--reward.function judge needs --reward.judge-url, the OpenAI-compatible endpoint of the "
+                        "judge model (e.g. http://127.0.0.1:8000/v1 for `vllm serve MODEL --port 8000`)")
+        self.template = load_template(config.judge_template, "--reward.judge-template")
+        parse = (parser_function(config.judge_parser, error)
+                 if config.judge_parser.endswith(".py") or ".py:" in config.judge_parser
+                 else last_number(config.judge_parser, error))
+        try:
+            request = json.loads(config.judge_request) if config.judge_request else {}
+        except json.JSONDecodeError as problem:
+            raise error(f"--reward.judge-request {config.judge_request!r} is not JSON: "
+                        f"{problem}") from None
+        try:
+            self.client = JudgeClient(config.judge_url, config.judge_model, config.judge_timeout,
+                                      config.judge_retries, request, parse)
+        except JudgeError as problem:
+            raise error(str(problem)) from None
+
+    async def __call__(self, inp: dict) -> dict[str, float]:
+        prompt = self.template.render(prompt=inp["prompt"], response=inp["response"],
+                                      ground_truth=inp["ground_truth"], row=inp["row"])
+        try:
+            return await self.client(prompt)
+        except JudgeError as error:
+            raise self.error(str(error)) from None
+
+
+def last_number(pattern: str, error: type[Exception]) -> Callable[[str], dict[str, float]]:
+    """A parser: the last match of `pattern` in the reply is the score; no match raises, naming the
+    reply."""
+    regex = re.compile(pattern)
+
+    def parse(text: str) -> dict[str, float]:
+        matches = regex.findall(text)
+        if not matches:
+            raise error(f"the judge's reply {text!r:.80} holds no score (--reward.judge-parser {pattern!r})")
+        return {"overall": float(matches[-1] if isinstance(matches[-1], str) else matches[-1][0])}
+
+    return parse
+
+
+def parser_function(spec: str, error: type[Exception]) -> Callable[[str], dict[str, float]]:
+    """A parser: path/to/file.py:function, reply text -> a float, or a dict of scores with overall.
+    A failure (what it raises, a result that is no number) names the parser and the reply it failed
+    on."""
+    try:
+        fn = load_object(spec, "reward", "--reward.judge-parser")
+    except ValueError as problem:
+        raise error(str(problem)) from None
+    if not callable(fn):
+        raise error(f"{spec} is a {type(fn).__name__}, not a function")
+
+    def parse(text: str) -> dict[str, float]:
+        try:
+            score = fn(text)
+            return dict(score) if isinstance(score, Mapping) else {"overall": float(score)}
+        except Exception as problem:
+            raise error(f"--reward.judge-parser {spec!r} raised {problem!r} "
+                        f"(the judge's reply: {text!r:.80})") from problem
+
+    return parse

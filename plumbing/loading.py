@@ -1,5 +1,6 @@
 """Loading what a user names on the command line: a Python file or module, and a function or class in it, with a
-failure as one line naming the flag (the run's one `error:` line), never a traceback."""
+failure as one line naming the flag (the run's one `error:` line), never a traceback; and a built-in task's pieces,
+found by name among the files of tasks/ (task_piece), which nothing imports by module."""
 
 import importlib
 import importlib.util
@@ -59,3 +60,42 @@ def load_template(path: str, flag: str):
             return jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(candidate.read_text())
     shipped = sorted(f"templates/{p.name}" for p in (root / "templates").glob("*.jinja"))
     raise FileNotFoundError(f"template {path!r} ({flag}) not found; shipped: {shipped}")
+
+
+# ---------------------------------------------------------------------------------------------------- built-in tasks
+
+TASKS = Path(__file__).resolve().parent.parent / "tasks"
+
+
+def task_names() -> list[str]:
+    """The built-in tasks: the files of tasks/, by name (toy, math, toy_tools, ...)."""
+    return sorted(path.stem for path in TASKS.glob("*.py") if not path.stem.startswith("_"))
+
+
+def task_piece(name: str, piece: str, suffix: str = ""):
+    """The object named `piece` of the built-in task `name`: tasks/NAME.py's, else (with `suffix`)
+    tasks/NAME_SUFFIX.py's; None where neither defines one. The flags' rule: --data.train-files NAME is
+    `rows`, --reward.function NAME `reward`, --rollout.env NAME `environment` (suffix env),
+    --tools.functions NAME `tools` and --tools.parser NAME `parser` (suffix tools): `--rollout.env toy` is
+    tasks/toy_env.py's environment, `--tools.functions toy` tasks/toy_tools.py's tools. A new task is one
+    new file, found by this with no edit anywhere else."""
+    names = task_names()
+    for stem in (name, f"{name}_{suffix}") if suffix else (name,):
+        if stem in names:
+            module = importlib.import_module(f"tasks.{stem}")
+            if hasattr(module, piece):
+                return getattr(module, piece)
+    return None
+
+
+def tasks_with(piece: str, suffix: str = "") -> list[str]:
+    """The names task_piece finds a `piece` by, for the errors that list the built-ins: ('environment', 'env') ->
+    ['toy', 'toy_env']."""
+    found = set()
+    for stem in task_names():
+        if hasattr(importlib.import_module(f"tasks.{stem}"), piece):
+            found.add(stem)
+            short = stem.removesuffix(f"_{suffix}") if suffix else stem
+            if task_piece(short, piece, suffix) is task_piece(stem, piece):
+                found.add(short)
+    return sorted(found)

@@ -1,4 +1,4 @@
-"""Run under torchrun by test_episodes.py: multi-turn episodes (env.EpisodeRollout) on a real engine, first of tool
+"""Run under torchrun by test_episodes.py: multi-turn episodes (episodes.EpisodeRollout) on a real engine, first of tool
 calls (tools.py's environment), then against a respond-style environment class (env.py), and the trainer's log-probs of
 the same episodes.
 
@@ -33,7 +33,8 @@ from rewards import Group
 from rollout import RolloutConfig, build_rollout, vllm_environment
 from rollout_worker import TEMPERATURE, cases, every_rank
 from data import OPEN_TURN
-from features.env import EpisodeRollout, RespondEnvironment, environment_class
+from features.env import RespondEnvironment, environment_class
+from features.episodes import EpisodeRollout
 from features.tools import ToolConfig, ToolEnvironment, load_parser, load_tools, tool_schema
 from model.vision import image_tokens
 

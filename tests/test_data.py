@@ -13,8 +13,11 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from conftest import stripes, write_video
-from data import (DataConfig, PromptDataset, PromptLoader, frame_indices, load_rows, reasoning_gym_task, resize_image,
-                  resized_size, shard, toy_motion_rows, toy_rows, validation_files)
+from data import DataConfig, PromptDataset, PromptLoader, load_rows, shard, validation_files
+from plumbing.media import frame_indices, resize_image, resized_size
+from tasks.reasoning_gym import task as reasoning_gym_task
+from tasks.toy import rows as toy_rows
+from tasks.toy_motion import rows as toy_motion_rows
 from plumbing.tiny import build_tiny_model, build_tokenizer
 
 MATH_SUFFIX = (" You first think about the reasoning process as an internal monologue and then provide the final"

@@ -20,16 +20,19 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer
 
-import features.env as env
+import features.episodes as episodes_module
 import grpo
-from data import DataConfig, PromptDataset, toy_env_rows
-from features.env import (Episode, EpisodeRollout, RespondEnvironment, TextArenaGame, ToyVault, Unmade,
-                          check_environment, cut_answer, environment_class, episodes_of)
+from data import DataConfig, PromptDataset
+from features.env import (Episode, RespondEnvironment, TextArenaGame, Unmade, check_environment, cut_answer,
+                          environment_class)
+from features.episodes import EpisodeRollout, episodes_of
 from plumbing.tiny import build_qwen_tokenizer, build_tiny_model
 from rewards import RewardConfig, RewardError, RewardFunction, env_reward, reward_inputs
 from rollout import Response, RolloutConfig
 from test_tools import IM_END, IM_START, IMAGE_PAD, VISION_END, VISION_START, ScriptedEngine, ids, turn
 from features.tools import ToolConfig, ToolEnvironment, load_parser, methods, tool_schema
+from tasks.toy_env import ToyVault
+from tasks.toy_env import rows as toy_env_rows
 
 QWEN_IM_END = 151645
 # the prompt of a row whose user text is "go", left open (data.py's open_turn), and what ends that turn
@@ -67,7 +70,7 @@ def tokenizer(tmp_path_factory):
 def said(monkeypatch, capsys):
     """The lines the episode loop says on the console, as the first rank to report each (the module's process group
     keeps a report's key for the whole module otherwise)."""
-    monkeypatch.setattr(env, "first_to_report", lambda key: True)
+    monkeypatch.setattr(episodes_module, "first_to_report", lambda key: True)
     return lambda: capsys.readouterr().err.splitlines()
 
 

@@ -73,7 +73,7 @@ def test_a_tiny_vlm_learns_the_builtin_video_task(tmp_path):
 
 
 def test_a_tiny_model_learns_to_open_the_vault_with_what_the_environment_said(tmp_path):
-    """`grpo.py toy_env` for 60 of its 120 steps: episodes of two one-token turns against the vault (env.ToyVault),
+    """`grpo.py toy_env` for 60 of its 120 steps: episodes of two one-token turns against the vault (tasks/toy_env.py),
     which answers the first with a clue, 7 digits of which 4 are its code; the second must name the code, which the
     prompt never tells. Measured on three seeds (trainer, rollout and data seeds 1, 2, 3): reward 0.008 at step 1 (a
     right digit by chance), 0.63, 0.36 and 0.51 over steps 56-60, validation 0.88, 0.64 and 0.60 at step 60 (the

@@ -9,12 +9,16 @@ import datasets
 import pytest
 import tyro
 
-from data import DataConfig, PromptDataset, reasoning_gym_rows
+from data import DataConfig, PromptDataset
 from features.env import Episode
 from plumbing.tiny import build_tokenizer
-from rewards import (RewardConfig, RewardError, RewardFunction, math_reward, overlong_penalty, r1v_reward,
-                     Scoring, reasoning_gym_reward, reward_inputs, toy_reward)
+from rewards import RewardConfig, RewardError, RewardFunction, Scoring, overlong_penalty, reward_inputs
 from rollout import Response
+from tasks.math import reward as math_reward
+from tasks.r1v import reward as r1v_reward
+from tasks.reasoning_gym import reward as reasoning_gym_reward
+from tasks.reasoning_gym import rows as reasoning_gym_rows
+from tasks.toy import reward as toy_reward
 
 
 def sample(response: str, ground_truth="7") -> dict:
@@ -113,7 +117,7 @@ def task_sample(response: str, row: dict) -> dict:
 @pytest.fixture(scope="module")
 def legs() -> dict:
     """Row 0 of reasoning_gym:leg_counting: 5 grasshoppers, 8 jellyfish, ..., 3 woodlice, 500 legs (test_data.py)."""
-    return reasoning_gym_rows("leg_counting", "train")[0]
+    return reasoning_gym_rows("train", "leg_counting")[0]
 
 
 @pytest.mark.parametrize("response, accuracy, format_, tagged", [
@@ -333,7 +337,8 @@ def test_missing_file_function_or_builtin_is_a_clear_error(user_file, tmp_path):
         RewardFunction(RewardConfig(f"{user_file}:missing"))
     with pytest.raises(RewardError, match="not_callable is a int"):
         RewardFunction(RewardConfig(f"{user_file}:not_callable"))
-    with pytest.raises(RewardError, match="unknown reward 'maths'.*toy, math, r1v"):
+    builtins = "code, math, r1v, reasoning_gym, toy, toy_tools, judge, env, none"
+    with pytest.raises(RewardError, match=f"unknown reward 'maths'.*{builtins}"):
         RewardFunction(RewardConfig("maths"))
 
 

@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from plumbing.sandbox import Limits, protections, run_code
-from rewards import RewardConfig, RewardError, RewardFunction, extract_code
+from rewards import RewardConfig, RewardError, RewardFunction
+from tasks.code import extract_code
 
 TESTS = json.dumps({"tests": [{"input": "2 3\n", "output": "5"}, {"input": "-1 1\n", "output": "0"}]})
 MARK = Path(tempfile.gettempdir()) / "sandbox-escaped.txt"
@@ -354,9 +355,9 @@ def test_the_code_in_a_response():
 def test_a_machine_without_the_protections_is_refused_unless_asked(monkeypatch):
     """Where the kernel grants no namespaces (no root, no unprivileged user namespaces), the reward refuses at
     start-up, naming what is missing, unless the run accepts the weaker sandbox."""
-    import rewards
+    import tasks.code
 
-    monkeypatch.setattr(rewards, "protections", lambda: {"network": False, "files": True, "new processes": True})
+    monkeypatch.setattr(tasks.code, "protections", lambda: {"network": False, "files": True, "new processes": True})
     with pytest.raises(RewardError, match=re.escape("cannot enforce network on this machine")):
         RewardFunction(RewardConfig("code"))
     RewardFunction(RewardConfig("code", kwargs={"allow_weaker_sandbox": True}))

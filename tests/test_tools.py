@@ -19,16 +19,20 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer
 
-from data import toy_tool_rows
 from plumbing.tiny import build_qwen_tokenizer, build_tiny_model, build_tokenizer, chatml_template
-from rewards import RewardInput, toy_tools_reward
-from features.env import Episode, EpisodeRollout, content, cut, episode_metrics
+from rewards import RewardInput
+from features.env import Episode, content, cut
+from features.episodes import EpisodeRollout, episode_metrics
 from plumbing import calls as plumbing_calls
 from plumbing.calls import Call, run_at_once
 from rollout import Response, RolloutConfig
-from features.tools import (ToolCall, ToolConfig, ToolEnvironment, ToolResult, calculate, call_tool, load_parser,
-                            load_tools, parse_qwen, parse_toy, tool_schema)
+from features.tools import (ToolCall, ToolConfig, ToolEnvironment, ToolResult, call_tool, load_parser, load_tools,
+                            parse_qwen, tool_schema)
 from model.vision import repeat
+from tasks.calculator import calculate
+from tasks.toy_tools import parser as parse_toy
+from tasks.toy_tools import reward as toy_tools_reward
+from tasks.toy_tools import rows as toy_tool_rows
 
 # the character tokenizer's ids (plumbing/tiny.py): 8 specials, then printable ASCII in string.printable's order
 IM_START, IM_END = 1, 2
