@@ -110,11 +110,11 @@ def test_the_hf_engine_caches_keys_and_values_of_full_attention_layers_only():
     assert e.rollout["HF engine: KV cache"] == 4 * 2048 * 8 * 2 * 4 * 256 * 2
 
 
-def test_the_readme_shows_the_current_generations_table():
-    """The second table `--hardware-table` prints: the mixtures' headers give total and active parameters, and
-    sequence parallelism is refused for linear attention (Qwen3.5, Qwen3-Next: sequence_parallel.py)."""
+def test_docs_show_the_current_generations_table():
+    """The second table `--hardware-table` prints, in docs/models.md: the mixtures' headers give total and active
+    parameters, and sequence parallelism is refused for linear attention (Qwen3.5, Qwen3-Next)."""
     table = hardware_table(80, memory.current_generation())
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
     assert table.replace(" (TP 1)", "") in readme
     rows = {line.split(" | ")[0]: line.split(" | ")[1:] for line in table.splitlines()}
     assert "Qwen3-30B-A3B (30.5B, 3.35B active)" in table.splitlines()[0]
