@@ -21,23 +21,6 @@ import torch.nn.functional as F
 
 
 @dataclass
-class DistillConfig:
-    teacher: str = ""
-    """On-policy distillation: the teacher model (a folder, hub id or tiny:NAME) with the student's
-    tokenizer, frozen and sharded as the reference is; with --algorithm.adv-estimator distill."""
-    reward_weight: float = 0.0
-    """The weight of GRPO's outcome advantage beside the teacher's signal (0: the teacher alone)."""
-    kl: Literal["sampled", "reverse", "forward"] = "sampled"
-    """The teacher's signal. sampled: each sampled token's log pi_teacher - log pi_old is its
-    advantage (Thinking Machines' recipe: the teacher's log-prob of that token alone, of its raw
-    distribution, temperature 1 and the whole vocabulary; pi_old the student's sampling one);
-    reverse / forward: KL(student || teacher) / KL(teacher || student) over the whole vocabulary at
-    every response token, both at the sampling temperature, added to the loss (GKD's on-policy
-    divergences: the teacher's whole distribution in the head's chunks, its forward in the update's
-    micro-batches)."""
-
-
-@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator: a name in ADVANTAGE_ESTIMATORS (listed at the top of --help; presets
@@ -332,12 +315,13 @@ def distill_advantages(x: AdvantageInputs, cfg: "AlgorithmConfig") -> torch.Tens
     (the trainer's log-probs at the rollout's temperature, over what top-k / top-p kept, or the
     engine's own): the tokens were drawn from it, so log pi_old - log pi_teacher is an unbiased
     sample of the reverse KL only with it, and it is the ratio's denominator. pi_teacher is the
-    teacher's raw distribution (temperature 1, the whole vocabulary: logprobs.raw_logprobs): the
-    target the student learns towards, as Thinking Machines' recipe asks its teacher for
-    (tinker-cookbook's train_on_policy.py: compute_logprobs, no sampling settings); the student's
-    temperature or truncation would change the target, and a top-k over the teacher's logits with
-    the student's token always kept renormalises over a set the student's sample picked. At
-    temperature 1 with no top-k / top-p (the default, distill_qwen3_8b) the two settings agree.
+    teacher's raw distribution (temperature 1, the whole vocabulary:
+    features/distillation.teacher_logprobs): the target the student learns towards, as Thinking
+    Machines' recipe asks its teacher for (tinker-cookbook's train_on_policy.py: compute_logprobs,
+    no sampling settings); the student's temperature or truncation would change the target, and a
+    top-k over the teacher's logits with the student's token always kept renormalises over a set
+    the student's sample picked. At temperature 1 with no top-k / top-p (the default,
+    distill_qwen3_8b) the two settings agree.
 
     Example: a token the teacher finds likelier than the student does (log-probs -0.5 against -2.0)
     gets +1.5, one it finds less likely (-3.0 against -1.0) gets -2.0; with w = 0.5 and a group

@@ -45,16 +45,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from algorithms import (ADVANTAGE_ESTIMATORS, ENTROPY_METHODS, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
-                        AdvantageInputs, AlgorithmConfig, DistillConfig, LossInputs, RewardKL,
+                        AdvantageInputs, AlgorithmConfig, LossInputs, RewardKL,
                         aggregate, keep_group, kl_penalty, rollout_weights, token_rewards)
 from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
+from features.distillation import DistillConfig, Distillation
 from features.env import check_environment, environment_class
 from features.episodes import EpisodeRollout, episode_metrics, episodes_of
 from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source,
                         check_output_folder, init_distributed, load_actor_and_reference,
-                        load_reward_model, load_teacher, reshard, save_hf_model)
-from logprobs import (Batch, batch_of, batched_logprobs, micro_batches, raw_logprobs,
-                      response_logprobs, reward_model_scores)
+                        load_reward_model, save_hf_model)
+from logprobs import (Batch, HeadColumn, batch_of, batched_logprobs, micro_batches,
+                      response_outputs, reward_model_scores)
 from model.families import attention_line
 from model.lora import LoRAConfig, adapters_off
 from plumbing.balance import balance_over_ranks
@@ -271,12 +272,12 @@ def episode_numbers(groups: list[Group], device: torch.device) -> dict:
 
 
 def advantages(batch: Batch, groups: list[Group], kl: RewardKL, cfg: Config,
-               sp: SequenceParallel, teacher_logprobs: torch.Tensor | None = None) -> dict:
+               sp: SequenceParallel, estimator_inputs: dict | None = None) -> dict:
     """The step's algorithm on its scored groups, into the batch: token rewards (the KL in them, its
-    coefficient adapted in `kl`), the estimator's advantages (on-policy distillation's from
-    `teacher_logprobs` [B, R]), and the rollout correction's weights; returns their metrics. With
-    sequence parallelism a group's N ranks hold the same rows, so a sum over ranks counts each once
-    (sum_once)."""
+    coefficient adapted in `kl`), the estimator's advantages (with the AdvantageInputs fields a
+    feature adds: `estimator_inputs`, on-policy distillation's teacher gap), and the rollout
+    correction's weights; returns their metrics. With sequence parallelism a group's N ranks hold
+    the same rows, so a sum over ranks counts each once (sum_once)."""
     algo, device, metrics = cfg.algorithm, batch.response_mask.device, {}
     sum_once = sum_over_ranks if sp.size == 1 else lambda x: sum_over_ranks(x) / sp.size
     scores = torch.tensor([s["overall"] for g in groups for s in g.scores], device=device)  # [B]
@@ -286,14 +287,9 @@ def advantages(batch: Batch, groups: list[Group], kl: RewardKL, cfg: Config,
                                      batch.ref_logprobs, algo, kl.coef, sum_once)
     baselines = (torch.tensor([g.baseline for g in groups], device=device)  # [G]
                  if groups[0].baseline is not None else None)
-    gap = None if teacher_logprobs is None else teacher_logprobs - batch.old_logprobs  # [B, R]
-    if gap is not None:  # the student's reverse KL to the teacher, per token (its k1 estimate)
-        mask = batch.response_mask
-        sums = sum_once(torch.stack([(-gap * mask).sum(), mask.sum()]))
-        metrics["distill/reverse_kl"] = sums[0] / sums[1]
     batch.advantages = ADVANTAGE_ESTIMATORS[algo.adv_estimator](  # [B, R]
-        AdvantageInputs(rewards, batch.response_mask, cfg.rollout.n, baselines, sum_once, gap,
-                        cfg.distill.reward_weight), algo)
+        AdvantageInputs(rewards, batch.response_mask, cfg.rollout.n, baselines, sum_once,
+                        **(estimator_inputs or {})), algo)
     # the engine sampled, the trainer learns: a weight per token
     if algo.rollout_correction != "none":
         batch.rollout_weights = rollout_weights(batch.old_logprobs, batch.rollout_logprobs,
@@ -304,7 +300,7 @@ def advantages(batch: Batch, groups: list[Group], kl: RewardKL, cfg: Config,
 
 
 def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel = NO_SP,
-                        teacher=None) -> tuple[dict, torch.Tensor]:
+                        loss_terms: list[HeadColumn] = ()) -> tuple[dict, torch.Tensor]:
     """Loss and backward over the micro-batches of one mini-batch (this rank's share of it).
 
     The accumulated gradient equals that of the whole mini-batch on all ranks at once: every
@@ -315,12 +311,12 @@ def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel =
     count) for logging, as tensors on the batch's device, and this forward's log-probs [B, R],
     detached. With sequence parallelism the N ranks of a group hold the same rows, so the global
     counts are N times the group's and each rank's loss 1/N of it; the log-probs' gather sums the N
-    ranks' gradients back onto the rank that computed each one: every sequence counts once. With
-    --distill.kl reverse or forward, that divergence from the `teacher` at each token, over the
-    whole vocabulary, is in the loss (sampled: the teacher is in the advantages already).
+    ranks' gradients back onto the rank that computed each one: every sequence counts once. The
+    `loss_terms` (a feature's head columns: on-policy distillation's divergence from its teacher)
+    are added to every token's loss, each logged as its mean under its name, and released after
+    the micro-batches.
     """
     algo = cfg.algorithm
-    teacher = teacher if cfg.distill.kl != "sampled" else None
     mask = batch.loss_mask  # [B, R]: without what the rollout correction masked out
     counts = all_reduce({"tokens": mask.sum(), "sequences": (mask.sum(-1) > 0).sum()}, mask.device)
     token_sum_norm = algo.token_sum_norm or cfg.rollout.max_response_length
@@ -329,10 +325,11 @@ def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel =
     for rows in micro_batches(batch, cfg.actor.micro_batch_size,
                               cfg.actor.max_tokens_per_micro_batch):
         micro = batch.select(rows)
-        logprobs, entropy, *distill = response_logprobs(  # [b, R] each
+        head = response_outputs(  # [b, R] each
             model, micro, cfg.rollout.temperature, cfg.actor.padding_free, sp, cfg.rollout.top_k,
-            cfg.rollout.top_p, entropy=True, teacher=teacher, divergence=cfg.distill.kl,
-            entropy_grad=bool(algo.entropy_coef))  # the bonus alone needs it
+            cfg.rollout.top_p, entropy_grad=bool(algo.entropy_coef),  # the bonus alone needs it
+            columns=loss_terms)
+        logprobs, entropy = head.logprobs, head.entropy
         own[torch.tensor(rows, device=mask.device)] = logprobs.detach()
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
@@ -349,21 +346,21 @@ def backward_mini_batch(model, batch: Batch, cfg: Config, sp: SequenceParallel =
             kl = kl_penalty(logprobs, micro.ref_logprobs, algo.kl_penalty)
             loss = loss + algo.kl_coef * kl
             stats["actor/kl_loss"] = kl.detach()
-        if distill:  # the divergence from the teacher at each token, whole distributions
-            loss = loss + distill[0]
-            stats[f"distill/{cfg.distill.kl}_kl"] = distill[0].detach()
+        for name, term in head.columns.items():  # a feature's, at each token
+            loss = loss + term
+            stats[name] = term.detach()
         aggregate(loss, inputs.mask, algo.loss_agg_mode, global_tokens=counts["tokens"],
                   global_sequences=counts["sequences"], token_sum_norm=token_sum_norm).backward()
         for key, value in stats.items():
             sums[key] = sums.get(key, 0.0) + (value * inputs.mask).sum()
-    if teacher is not None:  # its root stayed gathered for its head in every micro-batch
-        reshard(teacher)
+    for term in loss_terms:  # a teacher's root stayed gathered for its head: resharded
+        term.release()
     return sums, own
 
 
 def update_policy(model, optimizer, batch: Batch, cfg: Config, sp: SequenceParallel = NO_SP,
-                  teacher=None) -> tuple[dict, torch.Tensor]:
-    """PPO epochs x mini-batches, one optimizer step each (with a `teacher`, its divergence in the
+                  loss_terms: list[HeadColumn] = ()) -> tuple[dict, torch.Tensor]:
+    """PPO epochs x mini-batches, one optimizer step each (with a feature's `loss_terms` in the
     loss: backward_mini_batch). Returns the metrics and the log-probs [B, R] of each mini-batch's
     first forward, before its optimizer step: without `batch.old_logprobs` (on-policy: one epoch,
     one mini-batch) these are the old log-probs."""
@@ -377,7 +374,8 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config, sp: SequenceParal
     for epoch in range(cfg.trainer.ppo_epochs):
         for start in range(0, len(batch), mini_batch):
             index = slice(start, start + mini_batch)
-            mini_sums, logprobs = backward_mini_batch(model, batch.select(index), cfg, sp, teacher)
+            mini_sums, logprobs = backward_mini_batch(model, batch.select(index), cfg, sp,
+                                                      loss_terms)
             if epoch == 0:
                 first_logprobs[index] = logprobs
             for key, value in mini_sums.items():
@@ -540,9 +538,8 @@ def main(cfg: Config) -> None:
     elif start is not None:  # everything a step depends on, as it was after the checkpoint's step
         kl.load_state_dict(resume(start, actor, optimizer, scheduler, loader, console.print))
     scoring, reward_model = scoring_of(cfg, run, tokenizer, processor)  # the function, the model
-    teacher = (load_teacher(run.teacher_path, device, tokenizer, cfg.actor.fsdp_cpu_offload)
-               if run.teacher_path and not cfg.trainer.val_only else None)  # on-policy distillation
-    frozen = [m for m in (ref, reward_model, teacher) if m is not None]
+    distill = Distillation.start(cfg, run, tokenizer)  # on-policy distillation; None without
+    frozen = [m for m in (ref, reward_model, distill and distill.teacher) if m is not None]
     training_state = TrainingState([actor, *frozen], optimizer, device,
                                    offload=cfg.actor.offload_while_generating)
     rollout = start_engine(cfg.rollout, run.model_path,
@@ -558,6 +555,8 @@ def main(cfg: Config) -> None:
     # sequences a rank trains on per optimizer step
     mini_batch = cfg.trainer.global_batch_size * cfg.rollout.n * sp.size // run.world
     passes = pass_settings(cfg, sp)  # how the no-grad log-prob passes run
+    # per-token terms a feature adds to the update's loss (a teacher's divergence)
+    loss_terms = distill.loss_terms() if distill else []
     trackers = Trackers(list(cfg.trainer.logger) if run.rank == 0 else [], run.folder,
                         dataclasses.asdict(cfg), cfg.trainer.project_name,
                         cfg.trainer.experiment_name, resume_step=run.first_step - 1)
@@ -587,16 +586,16 @@ def main(cfg: Config) -> None:
                 with timer("ref_logprob"), adapters_off(actor) if ref is None else nullcontext():
                     batch.ref_logprobs = batched_logprobs(actor if ref is None else ref, batch,
                                                           **passes)
-            teacher_logprobs = None  # on-policy distillation's teacher scores the samples
-            if teacher is not None and cfg.distill.kl == "sampled":  # its own distribution
-                with timer("teacher_logprob"):
-                    teacher_logprobs = raw_logprobs(teacher, batch, passes)
+            # on-policy distillation's teacher: what the estimator gets (sampled: its own pass)
+            teacher_inputs, teacher_metrics = (distill.estimator_inputs(batch, passes, timer)
+                                               if distill else ({}, {}))
 
             # ---- token rewards, advantages -------------------------------------------------------
             # what an async reward has left (it ran beside the passes above), the model's pass
             with timer("reward"):
                 scores.give(groups, batch)
-            metrics.update(advantages(batch, groups, kl, cfg, sp, teacher_logprobs))
+            metrics.update(teacher_metrics)
+            metrics.update(advantages(batch, groups, kl, cfg, sp, teacher_inputs))
 
             # ---- update --------------------------------------------------------------------------
             if cfg.actor.balance_ranks and run.world > sp.size:  # over the data-parallel ranks
@@ -611,7 +610,7 @@ def main(cfg: Config) -> None:
                 engine_weights = trainable_copy(actor) if saves_at(cfg, step) else None
             with timer("update"):
                 update_metrics, first_logprobs = update_policy(actor, optimizer, batch, cfg, sp,
-                                                               teacher)
+                                                               loss_terms)
                 scheduler.step()
             # for the gap metrics: the trainer's log-probs at each mini-batch's first forward (the
             # later mini-batches' after the earlier ones' steps)
@@ -686,7 +685,7 @@ def on_policy_update(cfg: Config) -> bool:
     return (cfg.trainer.ppo_epochs == 1
             and cfg.trainer.rollout_batch_size == cfg.trainer.global_batch_size
             and not algo.use_kl_in_reward and algo.rollout_correction == "none"
-            and not (cfg.distill.teacher and cfg.distill.kl == "sampled"))
+            and not cfg.distill.scores_samples)
 
 
 def old_logprobs(actor, batch: Batch, cfg: Config, passes: dict) -> torch.Tensor | None:

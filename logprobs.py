@@ -33,6 +33,7 @@ Design decisions:
 
 import itertools
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 
@@ -368,73 +369,84 @@ def _logits(head: torch.nn.Module, hidden: torch.Tensor, temperature: float,
     return logits
 
 
+@dataclass
+class HeadChunk:
+    """One chunk of the output head's work, what a head column (HeadColumn) computes its values
+    from: the chunk's tokens among the micro-batch's N response tokens (`tokens`: a column cuts its
+    own per-token inputs with it), the policy's fp32 logits at the sampling temperature over the
+    whole vocabulary [c, V] (`logits`), and its log-probs over what sampling keeps, with their
+    gradient ([c, V], -inf off the support), their probabilities where the entropy kept its
+    gradient (`p`; None without)."""
+
+    tokens: slice
+    logits: torch.Tensor  # [c, V]
+    truncated: bool  # top-k / top-p: `logp` is over the sampled support, not the whole vocabulary
+    logp: torch.Tensor  # [c, V]
+    p: torch.Tensor | None  # [c, V]
+    temperature: float
+    placeholders: list[int]
+
+    def logits_of(self, head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Another head's logits on the chunk's tokens [c, V'], as the policy's are: fp32, divided
+        by the temperature, the engines' bias on image placeholders."""
+        return _logits(head, hidden, self.temperature, self.placeholders)
+
+    def distribution(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's log-probs and probabilities over the whole vocabulary's first `rows` tokens
+        [c, rows], with their gradient, renormalised over them (a head padded to more rows than the
+        tokenizer's: the rows another model shares); the entropy's own where they are the same."""
+        if self.truncated or rows < self.logits.shape[-1]:
+            logp = self.logits[:, :rows] - self.logits[:, :rows].logsumexp(-1, keepdim=True)
+            return logp, logp.exp()
+        return self.logp, self.logp.exp() if self.p is None else self.p
+
+
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                     temperature: float, placeholders: list[int], top_k: int = -1,
-                    top_p: float = 1.0, entropy: bool = False,
-                    teacher: tuple[torch.nn.Module, torch.Tensor] | None = None,
-                    divergence: str = "reverse", entropy_grad: bool = True) -> torch.Tensor:
+                    top_p: float = 1.0, entropy: bool = False, columns: list = (),
+                    entropy_grad: bool = True, start: int = 0) -> torch.Tensor:
     """log softmax(head(hidden) / temperature)[target] for one chunk: [c, H] -> [c], through fp32
     logits; with top-k / top-p, the softmax over the tokens sampling kept (sampled_support), as the
-    engines' log-probs are. `entropy`: [c, 2], the log-prob and the entropy of that distribution,
-    H = -sum_v p_v log p_v over the tokens it keeps (p = [0.5, 0.5, 0]: log 2); without
-    `entropy_grad` a value only (a metric, a selection): its [c, V] products kept for no backward.
-
-    A `teacher` (on-policy distillation, --distill.kl reverse or forward): its head and hidden
-    states [c, H_t]; a third column, the divergence between the policy's distribution p and the
-    teacher's q over the whole vocabulary (top-k / top-p left out: a truncated p is 0 where q is
-    not, and the forward KL would be infinite), at the same temperature, the teacher's logits
-    without gradient: `reverse` KL(p || q) = sum_v p_v (log p_v - log q_v), `forward`
-    KL(q || p) = sum_v q_v (log q_v - log p_v). p = [0.5, 0.5], q = [0.8, 0.2]: reverse 0.223,
-    forward 0.193. Heads of different sizes (one tokenizer, padded rows): p and q over the rows
-    both have."""
+    engines' log-probs are. `entropy`: [c, 2 + k], the log-prob, the entropy of that distribution,
+    H = -sum_v p_v log p_v over the tokens it keeps (p = [0.5, 0.5, 0]: log 2), then each of the k
+    `columns`' values (a function of the chunk, HeadChunk -> [c]; the chunk's first token is the
+    micro-batch's `start`-th). Without `entropy_grad` the entropy is a value only (a metric, a
+    selection): its [c, V] products kept for no backward."""
     logits = _logits(head, hidden, temperature, placeholders)  # [c, V]
     whole = logits
     if top_k > 0 or top_p < 1:
         logits = sampled_support(logits, targets, top_k, top_p)
-    if not entropy and teacher is None:
+    if not entropy:
         return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [c]
     logp = logits - logits.logsumexp(-1, keepdim=True)  # [c, V], -inf off the support
     with nullcontext() if entropy_grad else torch.no_grad():
         p = logp.exp()
         entropies = -(p * logp.where(logp.isfinite(), 0)).sum(-1)  # [c]
-    columns = [logp.gather(-1, targets[:, None]).squeeze(-1), entropies]  # [c] each
-    if teacher is not None:
-        with torch.no_grad():  # as the student's below, so that an equal teacher gives exactly 0
-            q_logits = _logits(*teacher, temperature, placeholders)  # [c, V_t]
-            # a teacher of the same tokenizer padded to another size (Qwen2.5-7B's 152,064 rows
-            # beside 0.5B's 151,936): both over the rows they share, which hold the tokenizer's
-            shared = min(whole.shape[-1], q_logits.shape[-1])
-            q_logits = q_logits[:, :shared]  # [c, V]
-            logq = q_logits - q_logits.logsumexp(-1, keepdim=True)
-        if logits is not whole or shared < whole.shape[-1]:  # the whole (shared) vocabulary's
-            logp = whole[:, :shared] - whole[:, :shared].logsumexp(-1, keepdim=True)
-            p = logp.exp()
-        elif not entropy_grad:  # p was taken without the gradient the divergence needs
-            p = logp.exp()
-        columns.append((p * (logp - logq)).sum(-1) if divergence == "reverse"
-                       else (logq.exp() * (logq - logp)).sum(-1))
-    return torch.stack(columns, -1)  # [c, 2 or 3]
+    chunk = HeadChunk(slice(start, start + len(hidden)), whole, logits is not whole, logp,
+                      p if entropy_grad else None, temperature, placeholders)
+    values = [logp.gather(-1, targets[:, None]).squeeze(-1), entropies]  # [c] each
+    values += [column(chunk) for column in columns]
+    return torch.stack(values, -1)  # [c, 2 + k]
 
 
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                   temperature: float, placeholders: list[int], chunk: int = CHUNK_TOKENS,
-                  top_k: int = -1, top_p: float = 1.0, entropy: bool = False,
-                  teacher: tuple[torch.nn.Module, torch.Tensor] | None = None,
-                  divergence: str = "reverse", entropy_grad: bool = True) -> torch.Tensor:
+                  top_k: int = -1, top_p: float = 1.0, entropy: bool = False, columns: list = (),
+                  entropy_grad: bool = True) -> torch.Tensor:
     """Log-probs of `targets` [N] from the hidden states that predict them [N, H], `chunk` tokens at
     a time; with gradients, each chunk's logits are recomputed in the backward pass instead of
-    kept. `entropy`: [N, 2], each token's log-prob and the policy's entropy there; with a
-    `teacher`'s head and hidden states [N, H_t]: [N, 3], the divergence to the teacher third
-    (_chunk_logprobs), in the same pass."""
+    kept. `entropy`: [N, 2 + k], each token's log-prob, the policy's entropy there and the k
+    `columns`' values, in the same pass (_chunk_logprobs)."""
     pieces = []
-    for k, (h, y) in enumerate(zip(hidden.split(chunk), targets.split(chunk))):
-        mine = teacher and (teacher[0], teacher[1][k * chunk: (k + 1) * chunk])  # this chunk's
-        args = (head, h, y, temperature, placeholders, top_k, top_p, entropy, mine, divergence,
-                entropy_grad)
+    for start, (h, y) in zip(range(0, len(hidden), chunk), zip(hidden.split(chunk),
+                                                                 targets.split(chunk))):
+        args = (head, h, y, temperature, placeholders, top_k, top_p, entropy, columns,
+                entropy_grad, start)
         pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False)
                       if torch.is_grad_enabled() else _chunk_logprobs(*args))
-    columns = 3 if teacher else 2 if entropy else 0
-    return torch.cat(pieces) if pieces else hidden.new_zeros((0, columns) if columns else (0,))
+    if pieces:
+        return torch.cat(pieces)
+    return hidden.new_zeros((0, 2 + len(columns)) if entropy else (0,))
 
 
 def decoder_states(model, inputs: dict, **kwargs) -> torch.Tensor:
@@ -469,38 +481,74 @@ def _over_micro_batches(model, batch: Batch, micro_batch_size: int, max_tokens: 
 
 
 def response_logprobs(model, batch: Batch, temperature: float, padding_free: bool = True,
-                      sp: SequenceParallel = NO_SP, top_k: int = -1, top_p: float = 1.0,
-                      entropy: bool = False, teacher=None, divergence: str = "reverse",
-                      entropy_grad: bool = True):
+                      sp: SequenceParallel = NO_SP, top_k: int = -1,
+                      top_p: float = 1.0) -> torch.Tensor:
     """log pi(response token | everything before it), logits divided by the sampling temperature
     -> [b, R], 0 on padding; with top-k / top-p, of the distribution sampling kept
-    (sampled_support), as the engines' are. `entropy`: (log-probs, entropies), the second the
-    entropy of the policy's distribution at each response token [b, R], from the same chunks of
-    the head (no [tokens, vocabulary] tensor kept), with its gradient (`entropy_grad`; without,
-    a value and less memory a chunk: _chunk_logprobs). A `teacher` (on-policy
-    distillation, --distill.kl reverse or forward): (log-probs, entropies, divergences), the third
-    the `divergence` between the policy's and the teacher's distributions at each response token
-    [b, R] (_chunk_logprobs), the teacher's forward run first on the same micro-batch
-    (teacher_states).
+    (sampled_support), as the engines' are.
 
     A vision-language model's image placeholder tokens get the engines' logit bias (vision.py). With
     sequence parallelism every rank of the group computes the log-probs of the tokens its slice
     predicts, and all of them get the whole [b, R] (sequence_parallel.py; the gradient of each entry
     flows to the rank that computed it).
     """
-    if teacher is not None:  # [N, H_t]
-        teacher = teacher.get_output_embeddings(), teacher_states(teacher, batch, padding_free, sp)
+    (logprobs,) = _on_responses(model, batch, padding_free, sp, temperature=temperature,
+                                top_k=top_k, top_p=top_p)
+    return logprobs
+
+
+@dataclass
+class HeadColumn:
+    """One more value at each response token, computed in the output head's chunks beside the
+    log-prob and the entropy (the policy's distribution at hand, no [tokens, vocabulary] tensor
+    kept: HeadChunk), named: the update adds it to every token's loss and logs its mean under
+    `name` (grpo.backward_mini_batch). `bind(micro_batch, padding_free, sp)` runs once a
+    micro-batch, before the policy's forward (a column may run a model of its own on it), and
+    returns the function of each chunk (HeadChunk -> [c]); `release()` once the micro-batches of a
+    mini-batch are done (a model it kept gathered for its head is resharded). On-policy
+    distillation's divergence from its teacher is one (features/distillation.py)."""
+
+    name: str
+    bind: Callable[[Batch, bool, SequenceParallel], Callable[[HeadChunk], torch.Tensor]]
+    release: Callable[[], None] = lambda: None
+
+
+@dataclass
+class HeadOutputs:
+    """What the output head gives the update at each response token, [b, R] each, 0 on padding."""
+
+    logprobs: torch.Tensor  # as response_logprobs'
+    entropy: torch.Tensor  # the policy's, of the distribution the log-probs are of
+    columns: dict[str, torch.Tensor]  # each HeadColumn's values, by its name
+
+
+def response_outputs(model, batch: Batch, temperature: float, padding_free: bool = True,
+                     sp: SequenceParallel = NO_SP, top_k: int = -1, top_p: float = 1.0,
+                     entropy_grad: bool = True, columns: list[HeadColumn] = ()) -> HeadOutputs:
+    """response_logprobs, with the policy's entropy at each response token and each of the
+    `columns`' values beside them, from the same chunks of the head (no [tokens, vocabulary] tensor
+    kept); the entropy with its gradient (`entropy_grad`; without, a value and less memory a chunk:
+    _chunk_logprobs)."""
+    bound = [column.bind(batch, padding_free, sp) for column in columns]
+    logprobs, entropy, *values = _on_responses(model, batch, padding_free, sp,
+                                               temperature=temperature, top_k=top_k, top_p=top_p,
+                                               entropy=True, columns=bound,
+                                               entropy_grad=entropy_grad)
+    return HeadOutputs(logprobs, entropy, {c.name: v for c, v in zip(columns, values)})
+
+
+def _on_responses(model, batch: Batch, padding_free: bool, sp: SequenceParallel,
+                  **head) -> list[torch.Tensor]:
+    """head_logprobs(**head) on the model's hidden states that predict the batch's response tokens,
+    each of its columns spread over [b, R]."""
     inputs, index, slots = forward_inputs(model, batch, padding_free, sp)
     hidden = response_states(model, inputs, index, sp)  # [N, H]
+    values = head_logprobs(model.get_output_embeddings(), hidden,  # [N] or [N, 2 + k]
+                           batch.responses.flatten()[slots],
+                           placeholders=placeholder_token_ids(model.config), **head)
     b, R = batch.responses.shape
-    values = head_logprobs(model.get_output_embeddings(), hidden,  # [N], [N, 2] or [N, 3]
-                           batch.responses.flatten()[slots], temperature,
-                           placeholder_token_ids(model.config), top_k=top_k, top_p=top_p,
-                           entropy=entropy, teacher=teacher, divergence=divergence,
-                           entropy_grad=entropy_grad)
-    if values.dim() == 2:
-        return tuple(_spread(column, slots, b, R, sp) for column in values.unbind(-1))
-    return _spread(values, slots, b, R, sp)
+    columns = values.unbind(-1) if values.dim() == 2 else [values]
+    return [_spread(column, slots, b, R, sp) for column in columns]
 
 
 def response_states(model, inputs: dict, index: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
@@ -510,16 +558,6 @@ def response_states(model, inputs: dict, index: torch.Tensor, sp: SequenceParall
         states = decoder_states(
             model, inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=index.device))
     return states.flatten(0, 1)[index]
-
-
-@torch.no_grad()
-def teacher_states(teacher, batch: Batch, padding_free: bool, sp: SequenceParallel) -> torch.Tensor:
-    """The teacher's hidden states that predict the micro-batch's response tokens [N, H_t] (a frozen
-    model is in eval mode: fsdp_utils.load_sharded_model). Its root FSDP unit stays gathered (its
-    head is applied in the student's chunks); the caller reshards it after the update
-    (fsdp_utils.reshard)."""
-    inputs, index, _ = forward_inputs(teacher, batch, padding_free, sp)
-    return response_states(teacher, inputs, index, sp)
 
 
 def _spread(values: torch.Tensor, slots: torch.Tensor, b: int, R: int,
@@ -541,19 +579,6 @@ def batched_logprobs(model, batch: Batch, temperature: float, micro_batch_size: 
     return _over_micro_batches(model, batch, micro_batch_size, max_tokens, out,
                                lambda micro: response_logprobs(model, micro, temperature,
                                                                padding_free, sp, top_k, top_p))
-
-
-def raw_logprobs(model, batch: Batch, passes: dict) -> torch.Tensor:
-    """batched_logprobs of the model's own distribution -> [B, R]: the passes' settings
-    (grpo.pass_settings: micro-batches, packing, sequence parallelism) at temperature 1, without
-    top-k / top-p. On-policy distillation's sampled signal scores the student's tokens with this:
-    its teacher is the model it learns towards, and the sampling's temperature and truncation are
-    the student's (tinker-cookbook's train_on_policy.py asks its teacher for compute_logprobs, which
-    takes no sampling settings). The teacher's logits [2, 1, 0] and the sampled token the second:
-    raw, 1 - log(e^2 + e^1 + e^0) = -1.408; at temperature 0.5 it would be 2 - log(e^4 + e^2 + e^0)
-    = -2.143, with top-k 2 at temperature 1, 1 - log(e^2 + e^1) = -1.313."""
-    return batched_logprobs(model, batch, **{**passes, "temperature": 1.0, "top_k": -1,
-                                             "top_p": 1.0})
 
 
 def sequence_scores(model, batch: Batch, padding_free: bool = True) -> torch.Tensor:

@@ -119,6 +119,7 @@ def part_update(args) -> dict:
     """One update (PPO clip, no KL) of 64 sequences through the trainer's own code: tokens/s, memory, MFU."""
     import torch
 
+    from features.distillation import Distillation
     from fsdp_utils import init_distributed, load_sharded_model
     from grpo import Config, update_policy
     from logprobs import batched_logprobs, make_batch
@@ -140,14 +141,14 @@ def part_update(args) -> dict:
     batch.advantages = torch.randn(prompts * n, 1, generator=generator).to(device) * batch.response_mask
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6)
 
-    def timed_update(teacher=None) -> tuple[float, dict]:
+    def timed_update(loss_terms=()) -> tuple[float, dict]:
         """A warm-up update (AdamW's states, kernel choices), then a timed one: seconds, peak memory."""
-        update_policy(actor, optimizer, batch, cfg, teacher=teacher)
+        update_policy(actor, optimizer, batch, cfg, loss_terms=loss_terms)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        update_policy(actor, optimizer, batch, cfg, teacher=teacher)
+        update_policy(actor, optimizer, batch, cfg, loss_terms=loss_terms)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start, {key.removeprefix("perf/"): value
@@ -158,7 +159,7 @@ def part_update(args) -> dict:
     teacher = load_sharded_model(args.model, device, trainable=False,
                                  dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg.algorithm.adv_estimator, cfg.distill.teacher, cfg.distill.kl = "distill", args.model, "forward"
-    distill_seconds, distill_memory = timed_update(teacher)
+    distill_seconds, distill_memory = timed_update(Distillation(teacher, cfg.distill).loss_terms())
     c, tokens = actor.config, batch.input_ids.numel()
     matmul_parameters = count_parameters(c) - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
     flops = tokens * (6 * matmul_parameters + 12 * c.num_hidden_layers * c.hidden_size * (prompt_len + response_len))

@@ -12,8 +12,10 @@ from safetensors.torch import load_file
 
 import logprobs
 from conftest import FAST, SIGNAL
+from features import distillation
+from features.distillation import Distillation, divergence_column, divergence_of
 from launches import Part, launched_run, uses_runs
-from logprobs import make_batch, response_logprobs
+from logprobs import make_batch, response_logprobs, response_outputs
 from plumbing.memory import CHUNK_TOKENS
 from test_logprobs import PROMPTS, RESPONSES, assert_same_gradients, gradients
 
@@ -50,8 +52,8 @@ def test_the_divergences_and_their_gradients_by_hand():
     expected = {"reverse": (0.2231, [-0.3466, 0.3466]), "forward": (0.1927, [-0.3, 0.3])}
     for divergence, (value, gradient) in expected.items():
         z = torch.zeros(1, 2, requires_grad=True)
-        out = logprobs._chunk_logprobs(head, z, torch.tensor([0]), 1.0, [], entropy=True, teacher=(teacher_head, q),
-                                       divergence=divergence)
+        out = logprobs._chunk_logprobs(head, z, torch.tensor([0]), 1.0, [], entropy=True,
+                                       columns=[divergence_of(teacher_head, q, divergence)])
         out[0, 2].backward()
         assert out[0, 1].item() == pytest.approx(math.log(2), abs=1e-6)
         assert out[0, 2].item() == pytest.approx(value, abs=1e-4)
@@ -60,8 +62,8 @@ def test_the_divergences_and_their_gradients_by_hand():
     z, p = torch.tensor([[1.0, 0.0]]), [math.e / (math.e + 1), 1 / (math.e + 1)]
     for divergence, value in {"reverse": sum(a * math.log(a / b) for a, b in zip(p, (0.8, 0.2))),
                               "forward": sum(b * math.log(b / a) for a, b in zip(p, (0.8, 0.2)))}.items():
-        kept = logprobs._chunk_logprobs(head, z, torch.tensor([0]), 1.0, [], top_k=1, teacher=(teacher_head, q),
-                                        divergence=divergence)
+        kept = logprobs._chunk_logprobs(head, z, torch.tensor([0]), 1.0, [], top_k=1, entropy=True,
+                                        columns=[divergence_of(teacher_head, q, divergence)])
         assert kept[0, 1].item() == 0 and kept[0, 2].item() == pytest.approx(value, abs=1e-6)
 
 
@@ -76,15 +78,23 @@ def test_a_teacher_padded_to_more_rows_is_compared_over_the_rows_both_have(diver
     padded.weight.data = torch.cat([torch.eye(3), torch.randn(2, 3)])
     z = torch.tensor([[0.3, -1.0, 2.0]], requires_grad=True)
     for head, teacher_head in ((student, padded), (padded, student)):
-        out = logprobs._chunk_logprobs(head, z, torch.tensor([2]), 0.7, [], teacher=(teacher_head, z.detach()),
-                                       divergence=divergence)
+        out = logprobs._chunk_logprobs(head, z, torch.tensor([2]), 0.7, [], entropy=True,
+                                       columns=[divergence_of(teacher_head, z.detach(), divergence)])
         assert out.shape == (1, 3) and out[0, 2].abs().item() < 1e-6
     q = torch.tensor([[0.8, 0.2]]).log()
     wide = torch.nn.Linear(2, 4, bias=False).requires_grad_(False)
     wide.weight.data = torch.cat([torch.eye(2), torch.full((2, 2), 5.0)])  # padding rows that would dominate
-    out = logprobs._chunk_logprobs(identity_head(2), torch.zeros(1, 2), torch.tensor([0]), 1.0, [],
-                                   teacher=(wide, q), divergence=divergence)
+    out = logprobs._chunk_logprobs(identity_head(2), torch.zeros(1, 2), torch.tensor([0]), 1.0, [], entropy=True,
+                                   columns=[divergence_of(wide, q, divergence)])
     assert out[0, 2].item() == pytest.approx({"reverse": 0.2231, "forward": 0.1927}[divergence], abs=1e-4)
+
+
+def with_teacher(student, teacher, batch, temperature, divergence, padding_free=True):
+    """The student's head outputs with the teacher's divergence as its column (the feature's, as the update asks for
+    it): the log-probs, the entropies and the divergences [b, R]."""
+    column = divergence_column(teacher, divergence)
+    head = response_outputs(student, batch, temperature, padding_free, columns=[column])
+    return head.logprobs, head.entropy, head.columns[column.name]
 
 
 def textbook(head, hidden, teacher_head, teacher_hidden, temperature, divergence):
@@ -120,8 +130,8 @@ def test_the_chunked_divergence_is_the_full_softmaxs_values_and_gradients(models
         return values.detach(), h.grad, head.weight.grad.clone()
 
     chunked = run(lambda h: logprobs.head_logprobs(head, h, targets, 0.7, [], chunk, 5, 0.8, entropy=True,
-                                                   teacher=(teacher_head, teacher_hidden),
-                                                   divergence=divergence)[:, 2])
+                                                   columns=[divergence_of(teacher_head, teacher_hidden,
+                                                                          divergence)])[:, 2])
     full = run(lambda h: textbook(head, h, teacher_head, teacher_hidden, 0.7, divergence))
     for a, b in zip(chunked, full):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -130,15 +140,16 @@ def test_the_chunked_divergence_is_the_full_softmaxs_values_and_gradients(models
 
 @pytest.mark.parametrize("divergence", ["reverse", "forward"])
 def test_packed_and_padded_divergences_agree_and_a_teacher_equal_to_the_student_gives_zero(models, divergence):
-    """Through both whole models, the teacher's forward on the same micro-batch: each response token's divergence is
-    the textbook's on the two models' full logits, packed and padded alike, with the same gradients; the log-probs
-    beside it are those asked for alone. The student as its own teacher: 0 at every token, and no gradient."""
+    """Through both whole models, the teacher's forward on the same micro-batch (the feature's head column): each
+    response token's divergence is the textbook's on the two models' full logits, packed and padded alike, with the
+    same gradients; the log-probs beside it are those asked for alone. The student as its own teacher: 0 at every
+    token, and no gradient."""
     student, teacher = models
     batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
     mask = batch.response_mask
     with torch.no_grad():
-        packed = response_logprobs(student, batch, 0.7, True, entropy=True, teacher=teacher, divergence=divergence)
-        padded = response_logprobs(student, batch, 0.7, False, entropy=True, teacher=teacher, divergence=divergence)
+        packed = with_teacher(student, teacher, batch, 0.7, divergence, True)
+        padded = with_teacher(student, teacher, batch, 0.7, divergence, False)
         alone = response_logprobs(student, batch, 0.7, True)
         expected = torch.zeros_like(mask)
         for b, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
@@ -150,11 +161,9 @@ def test_packed_and_padded_divergences_agree_and_a_teacher_equal_to_the_student_
     assert torch.equal(packed[0], alone) and packed[2][mask > 0].min() > 0
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3))
     assert_same_gradients(
-        gradients(student, lambda: response_logprobs(student, batch, 0.7, False, entropy=True, teacher=teacher,
-                                                     divergence=divergence)[2], weights),
-        gradients(student, lambda: response_logprobs(student, batch, 0.7, True, entropy=True, teacher=teacher,
-                                                     divergence=divergence)[2], weights))
-    itself = response_logprobs(student, batch, 0.7, True, entropy=True, teacher=student, divergence=divergence)[2]
+        gradients(student, lambda: with_teacher(student, teacher, batch, 0.7, divergence, False)[2], weights),
+        gradients(student, lambda: with_teacher(student, teacher, batch, 0.7, divergence, True)[2], weights))
+    itself = with_teacher(student, student, batch, 0.7, divergence)[2]
     assert itself.abs().max() < 1e-6
     student.zero_grad(set_to_none=True)
     (itself * weights).sum().backward()
@@ -165,7 +174,8 @@ def test_packed_and_padded_divergences_agree_and_a_teacher_equal_to_the_student_
 def test_the_divergence_enters_the_update_beside_the_outcome_advantage(models, world_of_one, divergence):
     """The update's gradient with a teacher in the loss against autograd of the loss written out here: token-mean of
     -A * r + D(student, teacher), A the outcome advantages (--distill.reward-weight's share), D the divergence by its
-    textbook formula; the metric is D's token mean. With the sampled signal the teacher stays out of the loss."""
+    textbook formula; the metric is D's token mean. With the sampled signal the teacher stays out of the loss (the
+    feature gives the update no term)."""
     from grpo import Config, backward_mini_batch
 
     student, teacher = models
@@ -178,12 +188,12 @@ def test_the_divergence_enters_the_update_beside_the_outcome_advantage(models, w
     cfg.algorithm.use_kl_loss, cfg.distill.kl = False, divergence
     micro = replace(batch, old_logprobs=old, advantages=advantages)
     student.zero_grad(set_to_none=True)
-    sums, _ = backward_mini_batch(student, micro, cfg, teacher=teacher)
+    distill = Distillation(teacher, cfg.distill)
+    sums, _ = backward_mini_batch(student, micro, cfg, loss_terms=distill.loss_terms())
     update = {name: p.grad.clone() for name, p in student.named_parameters()}
 
     def written_out():
-        logprobs_, _, divergences = response_logprobs(student, batch, 1.0, entropy=True, teacher=teacher,
-                                                      divergence=divergence)
+        logprobs_, _, divergences = with_teacher(student, teacher, batch, 1.0, divergence)
         return ((-advantages * torch.exp(logprobs_ - old) + divergences) * mask).sum() / mask.sum()
 
     student.zero_grad(set_to_none=True)
@@ -191,17 +201,18 @@ def test_the_divergence_enters_the_update_beside_the_outcome_advantage(models, w
     loss.backward()
     assert_same_gradients(update, {name: p.grad.clone() for name, p in student.named_parameters()})
     with torch.no_grad():
-        divergences = response_logprobs(student, batch, 1.0, entropy=True, teacher=teacher, divergence=divergence)[2]
+        divergences = with_teacher(student, teacher, batch, 1.0, divergence)[2]
     assert (sums[f"distill/{divergence}_kl"] / sums["tokens"]).item() == pytest.approx(
         ((divergences * mask).sum() / mask.sum()).item(), rel=1e-5)
     cfg.distill.kl = "sampled"
-    assert "distill/sampled_kl" not in backward_mini_batch(student, micro, cfg, teacher=teacher)[0]
+    distill = Distillation(teacher, cfg.distill)
+    assert "distill/sampled_kl" not in backward_mini_batch(student, micro, cfg, loss_terms=distill.loss_terms())[0]
 
 def test_the_sampled_signal_scores_with_the_teachers_raw_distribution(models):
-    """The sampled signal's teacher pass (logprobs.raw_logprobs, as grpo.py runs it) at temperature 1 over the whole
-    vocabulary, whatever the sampling's settings: a teacher whose head gives the logits [2, 1, 0] (and -30 on the
-    other 102 tokens, 102 e^-30 = 1e-11 of the mass) scores each sampled token 1 at 1 - log(e^2 + e^1 + e^0) = -1.408
-    under the passes of temperature 0.5 and top-k 2, where those settings give 2 - log(e^4 + e^2) = -2.127."""
+    """The sampled signal's teacher pass (distillation.teacher_logprobs, as the feature runs it) at temperature 1 over
+    the whole vocabulary, whatever the sampling's settings: a teacher whose head gives the logits [2, 1, 0] (and -30
+    on the other 102 tokens, 102 e^-30 = 1e-11 of the mass) scores each sampled token 1 at 1 - log(e^2 + e^1 + e^0)
+    = -1.408 under the passes of temperature 0.5 and top-k 2, where those settings give 2 - log(e^4 + e^2) = -2.127."""
     import copy
 
     teacher = copy.deepcopy(models[1])
@@ -212,7 +223,7 @@ def test_the_sampled_signal_scores_with_the_teachers_raw_distribution(models):
     batch = make_batch([[5, 20, 21], [5, 30]], [[1, 1, 1], [1, 1]], pad_id=0)
     passes = dict(temperature=0.5, top_k=2, top_p=1.0, micro_batch_size=2)
     raw = 1 - math.log(math.e ** 2 + math.e + 1)
-    torch.testing.assert_close(logprobs.raw_logprobs(teacher, batch, passes),
+    torch.testing.assert_close(distillation.teacher_logprobs(teacher, batch, passes),
                                torch.tensor([[raw] * 3, [raw, raw, 0.0]]), atol=1e-5, rtol=0)
     tempered = 2 - math.log(math.e ** 4 + math.e ** 2)  # what the sampling's settings would give
     torch.testing.assert_close(logprobs.batched_logprobs(teacher, batch, **passes),
@@ -220,11 +231,13 @@ def test_the_sampled_signal_scores_with_the_teachers_raw_distribution(models):
 
 
 def test_the_sampled_signal_moves_the_student_towards_the_teacher(models, world_of_one):
-    """The sampled signal through the step's own code (grpo.advantages, backward_mini_batch) and one small SGD step:
+    """The sampled signal through the step's own code (the feature's estimator_inputs, grpo.advantages,
+    backward_mini_batch) and one small SGD step:
     at ratio 1 the loss's gradient is -A grad l with A = l_teacher - l_old, a descent on 1/2 sum (l - l_teacher)^2, so
     each sampled token's log-prob moves towards the teacher's (the squared gap shrinks, and sum A x (l_new - l_old)
     > 0); a signal of the wrong sign moves it away. The logged distill/reverse_kl is the mean of l_old - l_teacher."""
     import copy
+    from contextlib import nullcontext
 
     from algorithms import RewardKL
     from grpo import Config, advantages, backward_mini_batch
@@ -238,11 +251,14 @@ def test_the_sampled_signal_moves_the_student_towards_the_teacher(models, world_
     cfg.algorithm.adv_estimator, cfg.algorithm.use_kl_loss, cfg.rollout.n = "distill", False, len(PROMPTS)
     with torch.no_grad():
         batch.old_logprobs = response_logprobs(student, batch, 1.0)  # [B, R]
-        teacher_logprobs = logprobs.raw_logprobs(teacher, batch, dict(micro_batch_size=8))
+        teacher_logprobs = distillation.teacher_logprobs(teacher, batch, dict(micro_batch_size=8))
     gap = (teacher_logprobs - batch.old_logprobs) * mask
     assert gap.max() > 0.1 and gap.min() < -0.1  # tokens on both sides: the direction is seen on each
     groups = [Group(item={}, responses=[], scores=[{"overall": 0.0}] * len(PROMPTS))]
-    metrics = advantages(batch, groups, RewardKL(0.0), cfg, NO_SP, teacher_logprobs)
+    inputs, metrics = Distillation(teacher, cfg.distill).estimator_inputs(batch, dict(micro_batch_size=8),
+                                                                          timer=lambda phase: nullcontext())
+    torch.testing.assert_close(inputs["teacher_gap"] * mask, gap, atol=0, rtol=0)
+    metrics.update(advantages(batch, groups, RewardKL(0.0), cfg, NO_SP, inputs))
     assert metrics["distill/reverse_kl"].item() == pytest.approx((-gap.sum() / mask.sum()).item(), rel=1e-5)
     optimizer = torch.optim.SGD(student.parameters(), lr=1e-2)
     backward_mini_batch(student, batch, cfg)

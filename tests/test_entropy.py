@@ -12,7 +12,7 @@ from conftest import FAST, SIGNAL
 from launches import launched_cases, uses_runs
 from algorithms import (ENTROPY_METHODS, AlgorithmConfig, LossInputs, clip_cov, covariance, high_entropy, kl_cov,
                         ppo_clip_loss)
-from logprobs import make_batch, response_logprobs
+from logprobs import make_batch, response_logprobs, response_outputs
 from plumbing.memory import CHUNK_TOKENS
 from test_logprobs import PROMPTS, RESPONSES, assert_same_gradients, gradients
 
@@ -117,17 +117,16 @@ def test_packed_and_padded_entropies_agree_values_and_gradients(model):
     gradients; the log-probs beside it are those asked for alone."""
     batch = make_batch(PROMPTS, RESPONSES, pad_id=0)
     with torch.no_grad():
-        packed = response_logprobs(model, batch, 0.7, True, entropy=True)
-        padded = response_logprobs(model, batch, 0.7, False, entropy=True)
+        packed = response_outputs(model, batch, 0.7, True)
+        padded = response_outputs(model, batch, 0.7, False)
         alone = response_logprobs(model, batch, 0.7, True)
-    torch.testing.assert_close(packed[1], padded[1], atol=1e-5, rtol=0)
-    assert torch.equal(packed[0], alone)
-    assert (packed[1] * batch.response_mask).min() >= 0 and packed[1][batch.response_mask == 0].abs().max() == 0
+    torch.testing.assert_close(packed.entropy, padded.entropy, atol=1e-5, rtol=0)
+    assert torch.equal(packed.logprobs, alone) and packed.columns == {}
+    assert (packed.entropy * batch.response_mask).min() >= 0
+    assert packed.entropy[batch.response_mask == 0].abs().max() == 0
     weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(3))
-    assert_same_gradients(gradients(model, lambda: response_logprobs(model, batch, 0.7, False, entropy=True)[1],
-                                    weights),
-                          gradients(model, lambda: response_logprobs(model, batch, 0.7, True, entropy=True)[1],
-                                    weights))
+    assert_same_gradients(gradients(model, lambda: response_outputs(model, batch, 0.7, False).entropy, weights),
+                          gradients(model, lambda: response_outputs(model, batch, 0.7, True).entropy, weights))
 
 
 # ---------------------------------------------------------------- the methods, by hand
@@ -263,7 +262,7 @@ def test_the_entropy_bonus_raises_the_entropy_by_its_coefficient(tmp_path, world
 
     (without, sums), (bonus, _) = gradient(0.0), gradient(0.5)
     model.zero_grad()
-    _, entropy = response_logprobs(model, batch, 1.0, entropy=True)
+    entropy = response_outputs(model, batch, 1.0).entropy
     (-0.5 * (entropy * batch.response_mask).sum() / batch.response_mask.sum()).backward()
     for a, b, p in zip(without, bonus, model.parameters()):
         torch.testing.assert_close(b - a, p.grad, atol=1e-6, rtol=1e-4)
