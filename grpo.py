@@ -8,8 +8,9 @@ A preset from configs/ plus flag overrides (every config field is a flag, see --
 Launched again, it resumes from the run folder's latest checkpoint (plumbing/checkpoints.py).
 
 One training step:
-    generate (vLLM; the reward function starts on the responses) -> old/ref log-probs (an async
-    reward runs beside them) -> rewards (the reward function's, then a reward model's pass) ->
+    generate (vLLM, through rollout.py's producer and its lag-bounded buffer; the reward function
+    starts on the responses) -> old/ref log-probs (an async reward runs beside them) -> rewards
+    (the reward function's, then a reward model's pass) ->
     token rewards, advantages, rollout correction weights (algorithms.py) -> balance tokens over
     ranks -> PPO epochs x mini-batches x micro-batches (loss, backward), clip, optimizer step -> LR
     step -> sync weights into vLLM -> validate, log (plumbing/trackers.py) -> save a checkpoint
@@ -46,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from algorithms import (ADVANTAGE_ESTIMATORS, ENTROPY_METHODS, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
                         AdvantageInputs, AlgorithmConfig, LossInputs, RewardKL,
-                        aggregate, keep_group, kl_penalty, rollout_weights, token_rewards)
+                        aggregate, kl_penalty, rollout_weights, token_rewards)
 from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
 from features.distillation import DistillConfig, Distillation
 from features.env import check_environment, environment_class
@@ -72,8 +73,9 @@ from plumbing.metrics import (PhaseTimer, correction_metrics, logprob_metrics, p
 from plumbing.optimizer import build_optimizer, build_scheduler
 from plumbing.tiny import ARCHITECTURES, REAL_VOCABULARY, VISION_ARCHITECTURES, resolve_model
 from plumbing.trackers import Trackers, check_loggers, write_evaluation
-from rewards import Group, RewardConfig, RewardError, RewardFunction, RoundScores, Scoring
-from rollout import RolloutConfig, start_engine, vllm_environment
+from rewards import Group, RewardConfig, RewardError, RewardFunction, Scoring
+from rollout import (RolloutBuffer, RolloutConfig, RolloutProducer, start_engine,
+                     vllm_environment)
 from model.sequence_parallel import NO_SP, SequenceParallel
 from features.tools import ToolConfig
 from model.vision import is_vision_language
@@ -203,64 +205,6 @@ class Config:
 # THE STEP: rollouts, advantages, the update, validation, set-up, the loop; in the order the
 # step calls them (the algorithm's pieces: algorithms.py).
 # ==================================================================================================
-
-
-def collect_rollouts(rollout, loader: PromptLoader, scoring: Scoring, cfg: Config, version: int,
-                     timer: PhaseTimer,
-                     device: torch.device) -> tuple[list[Group], dict, RoundScores]:
-    """Generate and score rounds of prompts until this rank holds its share of groups.
-
-    One round, unless dynamic sampling or --reward.on-error skip-group drops groups: then more
-    rounds, in lockstep over all ranks, until every rank has rollout_batch_size / world_size kept
-    groups (extras are cut). An estimator that needs a greedy baseline (ReMax) also gets one greedy
-    response per prompt, whose score is that group's baseline. Returns the groups, the sampling
-    stats (and the episodes' numbers: env.episode_metrics), and the round's scores, which the loop
-    gives the groups after the log-prob passes (an async reward runs beside those); where groups
-    were dropped, the reward function's are in them already (dynamic sampling filters on its keys),
-    the reward model's come later in any case.
-    """
-    algo = cfg.algorithm
-    greedy_baseline = getattr(ADVANTAGE_ESTIMATORS[algo.adv_estimator], "greedy_baseline", False)
-    skip_failed = cfg.reward.on_error == "skip-group"
-    quota = cfg.trainer.rollout_batch_size // dist.get_world_size()
-    kept, generated, skipped = [], 0, 0
-    for rounds in range(1, algo.max_sampling_rounds + 1):
-        items = loader.next_batch()
-        with timer("generate"):
-            responses = rollout.generate(items, version)
-            greedy = rollout.generate(items, version, greedy=True) if greedy_baseline else None
-        groups, scores = scoring.start(items, responses, step=version)
-        # nothing drops groups: the scores may come later
-        if not (algo.online_filtering or skip_failed or greedy):
-            return groups, {"rollout/sampling_rounds": 1, "rollout/kept_groups_ratio": 1.0,
-                            **episode_numbers(groups, device)}, scores
-        with timer("reward"):
-            scores.function_scores(groups)
-            for group, greedy_group in zip(groups, scoring(items, greedy) if greedy else []):
-                group.baseline = greedy_group.scores[0]["overall"]
-        for group in groups:
-            if skip_failed and any(s["failed"] for s in group.scores):
-                skipped += 1
-            elif not algo.online_filtering or keep_group(group.scores, algo.filter_key,
-                                                         algo.filter_low, algo.filter_high):
-                kept.append(group)
-        generated += len(items)
-        if all_reduce({"kept": len(kept)}, device, dist.ReduceOp.MIN)["kept"] >= quota:
-            break
-    else:
-        wanted = (([f"{algo.filter_low} < mean {algo.filter_key} < {algo.filter_high} "
-                    "(dynamic sampling)"] if algo.online_filtering else [])
-                  + (["no failed reward (skip-group)"] if skip_failed else []))
-        raise SystemExit(f"after {algo.max_sampling_rounds} rounds some rank kept fewer than "
-                         f"{quota} groups with {' and '.join(wanted)}. Raise "
-                         "--algorithm.max-sampling-rounds, widen the bounds, fix the reward, or "
-                         "pick an easier start (model, data).")
-    kept = kept[:quota]
-    totals = all_reduce({"kept": len(kept), "generated": generated, "skipped": skipped}, device)
-    return kept, {"rollout/sampling_rounds": rounds,
-                  "rollout/kept_groups_ratio": totals["kept"] / totals["generated"],
-                  "rollout/skipped_groups": totals["skipped"], **episode_numbers(kept, device)}, \
-        RoundScores(scoring, pending=None)
 
 
 def episode_numbers(groups: list[Group], device: torch.device) -> dict:
@@ -536,7 +480,7 @@ def main(cfg: Config) -> None:
     if start is not None and cfg.trainer.val_only:
         load_model(start, actor)
     elif start is not None:  # everything a step depends on, as it was after the checkpoint's step
-        kl.load_state_dict(resume(start, actor, optimizer, scheduler, loader, console.print))
+        kl.load_state_dict(resume(start, actor, optimizer, scheduler, console.print))
     scoring, reward_model = scoring_of(cfg, run, tokenizer, processor)  # the function, the model
     distill = Distillation.start(cfg, run, tokenizer)  # on-policy distillation; None without
     frozen = [m for m in (ref, reward_model, distill and distill.teacher) if m is not None]
@@ -550,6 +494,7 @@ def main(cfg: Config) -> None:
                                  device, episodes.opens_prompt, episodes.schemas)
     if cfg.trainer.val_only:
         return evaluate(cfg, run, rollout, val_set, val_items, scoring)
+    buffer = rollout_buffer(cfg, run, rollout, loader, scoring)  # the step's groups (rollout.py)
     # the old log-probs without a pass of their own: the update's (on-policy) or the engine's
     no_old_pass = on_policy_update(cfg) or algo.old_logprobs == "engine"
     # sequences a rank trains on per optimizer step
@@ -569,14 +514,14 @@ def main(cfg: Config) -> None:
         for step in range(run.first_step, cfg.trainer.total_steps + 1):
             timer = PhaseTimer(device)
 
-            # ---- generate + score (more rounds when dynamic sampling drops groups) ---------------
-            groups, metrics, scores = collect_rollouts(rollout, loader, scoring, cfg, step - 1,
-                                                       timer, device)
+            # ---- generate + score (the producer's groups, within the buffer's lag bound) ---------
+            rollouts = buffer.get(step - 1, timer)
+            metrics = {**rollouts.metrics, **episode_numbers(rollouts.groups, device)}
             rollout.sleep()
             training_state.to_device()
             # sequence parallelism: each rank's rollouts scored, then shared in its group
             with timer("reward"):
-                groups = sp.share(groups, scores)
+                groups = sp.share(rollouts.groups, rollouts.scores)
             batch = batch_of(groups, processor, tokenizer.pad_token_id, device)
 
             # ---- log-probs -----------------------------------------------------------------------
@@ -593,7 +538,7 @@ def main(cfg: Config) -> None:
             # ---- token rewards, advantages -------------------------------------------------------
             # what an async reward has left (it ran beside the passes above), the model's pass
             with timer("reward"):
-                scores.give(groups, batch)
+                rollouts.scores.give(groups, batch)
             metrics.update(teacher_metrics)
             metrics.update(advantages(batch, groups, kl, cfg, sp, teacher_inputs))
 
@@ -639,7 +584,7 @@ def main(cfg: Config) -> None:
             trackers.log(metrics, step, samples[:4])
             progress.step(step, metrics)
             if saves_at(cfg, step):
-                state = {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                state = {"scheduler": scheduler.state_dict(), **buffer.state_dict(),
                          **kl.state_dict(), "score": metrics.get(cfg.trainer.best_metric),
                          **run.job}
                 save(cfg, run, step, actor, optimizer, state, progress.print, engine_weights)
@@ -675,6 +620,20 @@ def scoring_of(cfg: Config, run: Run, tokenizer, processor) -> tuple[Scoring, An
         cfg.reward.weights)
     scoring.reward_fn.trainer_state.max_steps = cfg.trainer.total_steps  # a TRL reward's to read
     return scoring, reward_model
+
+
+def rollout_buffer(cfg: Config, run: Run, rollout, loader: PromptLoader,
+                   scoring: Scoring) -> RolloutBuffer:
+    """Where the loop gets its scored groups (rollout.py's contract): a producer that owns the
+    loader, the engine (`rollout`), scoring and dynamic sampling, behind a buffer whose lag bound is
+    --rollout.staleness (0: the synchronous step); a resumed run's where its checkpoint left it."""
+    producer = RolloutProducer(rollout, loader, scoring, cfg.algorithm,
+                               cfg.trainer.rollout_batch_size // run.world,
+                               skip_failed=cfg.reward.on_error == "skip-group", device=run.device)
+    buffer = RolloutBuffer(producer, max_lag=cfg.rollout.staleness)
+    if run.start is not None:
+        buffer.load_state_dict(read_state(run.start))
+    return buffer
 
 
 def on_policy_update(cfg: Config) -> bool:

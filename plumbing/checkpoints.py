@@ -322,12 +322,11 @@ def load_engine_weights(checkpoint: Path, model) -> dict | None:
     return tensors["engine"]
 
 
-def resume(checkpoint: Path, model, optimizer, scheduler, loader, say) -> dict:
-    """load_checkpoint, then the LR scheduler and the data loader's position from its trainer state; says so.
-    Returns the trainer state."""
+def resume(checkpoint: Path, model, optimizer, scheduler, say) -> dict:
+    """load_checkpoint, then the LR scheduler from its trainer state; says so. Returns the trainer state, for the
+    caller's other parts to take theirs (the KL coefficient, the rollouts' loader position)."""
     state = load_checkpoint(checkpoint, model, optimizer)
     scheduler.load_state_dict(state["scheduler"])
-    loader.load_state_dict(state["loader"])
     say(f"resumed from {checkpoint} (step {state['step']}"
         + (", model only: AdamW restarts from zero moments)" if state["model_only"] else ")"))
     return state

@@ -112,7 +112,7 @@ def test_an_async_call_that_blocks_its_loop_is_given_up_and_the_run_goes_on(rewa
 
 def test_skip_group_scores_a_failure_0_and_marks_it(rewards_file):
     """--reward.on-error skip-group: the loop leaves out every group holding a sample marked failed
-    (grpo.collect_rollouts; under torchrun in test_reward_runs.py)."""
+    (rollout.RolloutProducer; under torchrun in test_reward_runs.py)."""
     reports = []
     reward = RewardFunction(RewardConfig(f"{rewards_file}:misbehaves", on_error="skip-group"), report=reports.append)
     assert reward([sample("a"), sample("b", "raises")]) == [{"overall": 1.0, "failed": 0.0},
