@@ -150,8 +150,9 @@ class Response:
     """The weights version that sampled it: the engine's `weights_version` then (the training steps
     whose weights it held; 0: the checkpoint's). The producer stamps what it hands the trainer."""
 
+
 # ==================================================================================================
-# THE ROLLOUT CONTRACT: a producer makes scored groups, a buffer hands them to the trainer
+# The rollout contract: a producer makes scored groups, a buffer hands them to the trainer
 # ==================================================================================================
 
 
