@@ -64,12 +64,12 @@ def load_template(path: str, flag: str):
 
 # ---------------------------------------------------------------------------------------------------- built-in tasks
 
-TASKS = Path(__file__).resolve().parent.parent / "tasks"
-
-
 def task_names() -> list[str]:
-    """The built-in tasks: the files of tasks/, by name (toy, math, toy_tools, ...)."""
-    return sorted(path.stem for path in TASKS.glob("*.py") if not path.stem.startswith("_"))
+    """The built-in tasks: the files of tasks/ (the folders of the `tasks` package), by name (toy, math,
+    toy_tools, ...)."""
+    folders = importlib.import_module("tasks").__path__
+    return sorted({path.stem for folder in folders for path in Path(folder).glob("*.py")
+                   if not path.stem.startswith("_")})
 
 
 def task_piece(name: str, piece: str, suffix: str = ""):
