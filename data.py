@@ -1,45 +1,9 @@
 """Prompt datasets: load `name[@split]`, render every prompt, serve seeded, resumable batches
 to each rank.
 
-Dataset format: one row per prompt; the column names are flags (--data.prompt-key,
---data.answer-key, --data.image-key, --data.video-key), other columns are kept and reach the reward
-function with the row.
-
-    {"problem": "What is 2 + 3?", "answer": "5", "images": [], "videos": [], ...any other columns}
-
-- prompt (`problem`): text, rendered through the optional Jinja format prompt as `{{ content }}`,
-  then through the tokenizer's chat template as one user turn with the generation prompt; or TRL's
-  conversational form, a list of messages (system, turns, the user's last), rendered the same way,
-  the format prompt applied to the last user message's text (plumbing/datafiles.py's conversation):
-
-    {"prompt": [{"role": "system", "content": "Answer with a number."},
-                {"role": "user", "content": "What is 2 + 3?"}], "solution": "5"}
-
-- answer (`answer`): the ground truth, any type, handed untouched to the reward function (in a JSON
-  file, one type per column: strings beside other types are refused, plumbing/datafiles.py).
-- images (`images`, optional): a list of PIL images, {"bytes": ...} dicts, raw bytes or paths
-  (relative ones joined with --data.image-dir), for vision-language models. The prompt marks where
-  each goes with a literal `<image>` (in a conversation, or a {"type": "image"} part: TRL's form),
-  one per image, in order; rows without images are plain text (mixed datasets work):
-
-    {"problem": "<image>How many squares are there?", "answer": "3", "images": ["clevr/0001.png"]}
-
-- videos (`videos`, optional): a list per row of video files (paths, relative ones joined with
-  --data.video-dir, or {"bytes": ...}) or of frame lists (each a list of images, as above), marked
-  in the prompt with `<video>`:
-
-    {"problem": "<video>Which way does the ball roll?", "answer": "left",
-     "videos": ["clips/0001.mp4"]}
-
-Where the rows come from (`name[@split]`, split `train` unless given):
-    toy                      a built-in task: the `rows` of tasks/toy.py (toy_vision, toy_motion,
-                             toy_tools, toy_env, toy_code, seeds): splits train and test
-    reasoning_gym:leg_counting  a built-in task with an argument: tasks/reasoning_gym.py's rows
-    data/math12k.parquet     one parquet, json, jsonl or csv file: the file is the split (no @split)
-    data/math12k@test        a folder of such files, split by file name (train.jsonl,
-                             test-0000.parquet)
-    hiyouga/math12k@test     a Hugging Face Hub dataset id (needs the network or a filled HF cache)
-The files' checks are plumbing/datafiles.py's; decoding images and videos plumbing/media.py's.
+What a dataset is and holds (where its rows come from, its columns, prompts, images and videos,
+TRL's conversational rows): docs/data.md. The files' checks are plumbing/datafiles.py's; decoding
+images and videos plumbing/media.py's.
 
 Design decisions:
 - Prompts longer than max_prompt_length tokens are dropped at start-up, never truncated (a cut
