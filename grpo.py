@@ -31,7 +31,6 @@ Design decisions:
 """
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -52,13 +51,14 @@ from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
 from features.distillation import DistillConfig, Distillation
 from features.env import check_environment, environment_class
 from features.episodes import EpisodeRollout, episode_metrics, episodes_of
-from fsdp_utils import (HF_MARKER, TrainingState, check_model_exists, check_model_source,
-                        check_output_folder, init_distributed, load_actor_and_reference,
-                        load_reward_model, save_hf_model)
+from features.reward_model import RewardModel
+from fsdp_utils import (HF_MARKER, TrainingState, check_output_folder, init_distributed,
+                        load_actor_and_reference, save_hf_model)
 from logprobs import (Batch, HeadColumn, batch_of, batched_logprobs, micro_batches,
-                      response_outputs, reward_model_scores)
+                      response_outputs)
 from model.families import attention_line
 from model.lora import LoRAConfig, adapters_off
+from model.source import check_model_exists, check_model_source
 from plumbing.balance import balance_over_ranks
 from plumbing.checkpoints import (agree_on_resume_point, hold_run_folder, load_model,
                                   prepare_run_folder, read_state, resume, save_checkpoint,
@@ -67,6 +67,7 @@ from plumbing.cli import check_flags, default_run_name, parse_command_line
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
 from plumbing.console import (INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_libraries,
                               report_once, run)
+from plumbing.engine_env import vllm_environment
 from plumbing.memory import check_run_memory
 from plumbing.metrics import (PhaseTimer, correction_metrics, logprob_metrics, pass_metrics,
                               score_metrics, step_totals)
@@ -74,8 +75,7 @@ from plumbing.optimizer import build_optimizer, build_scheduler
 from plumbing.tiny import ARCHITECTURES, REAL_VOCABULARY, VISION_ARCHITECTURES, resolve_model
 from plumbing.trackers import Trackers, check_loggers, write_evaluation
 from rewards import Group, RewardConfig, RewardError, RewardFunction, Scoring
-from rollout import (RolloutBuffer, RolloutConfig, RolloutProducer, start_engine,
-                     vllm_environment)
+from rollout import RolloutBuffer, RolloutConfig, RolloutProducer, start_engine
 from model.sequence_parallel import NO_SP, SequenceParallel
 from features.tools import ToolConfig
 from model.vision import is_vision_language
@@ -208,8 +208,8 @@ class Config:
 
 
 def episode_numbers(groups: list[Group], device: torch.device) -> dict:
-    """The episodes' metrics (env.episode_metrics) when the responses are multi-turn episodes;
-    none for one turn."""
+    """The episodes' metrics (features/episodes.episode_metrics) when the responses are multi-turn
+    episodes; none for one turn."""
     responses = [r for g in groups for r in g.responses]
     return (episode_metrics(responses, device) if responses and responses[0].episode is not None
             else {})
@@ -481,9 +481,11 @@ def main(cfg: Config) -> None:
         load_model(start, actor)
     elif start is not None:  # everything a step depends on, as it was after the checkpoint's step
         kl.load_state_dict(resume(start, actor, optimizer, scheduler, console.print))
-    scoring, reward_model = scoring_of(cfg, run, tokenizer, processor)  # the function, the model
+    reward_model = RewardModel.start(cfg, run, tokenizer, processor)  # None without
+    scoring = scoring_of(cfg, tokenizer, reward_model)  # the reward function, then the model
     distill = Distillation.start(cfg, run, tokenizer)  # on-policy distillation; None without
-    frozen = [m for m in (ref, reward_model, distill and distill.teacher) if m is not None]
+    frozen = [m for m in (ref, reward_model and reward_model.model, distill and distill.teacher)
+              if m is not None]
     training_state = TrainingState([actor, *frozen], optimizer, device,
                                    offload=cfg.actor.offload_while_generating)
     rollout = start_engine(cfg.rollout, run.model_path,
@@ -594,8 +596,8 @@ def main(cfg: Config) -> None:
 
 def load_data(cfg: Config, run: Run, tokenizer, processor, episodes) -> tuple:
     """The training and validation datasets (rendered for the episodes' environment and tools, if
-    any: env.Episodes), checked for the run's features (check_data), the training loader and this
-    rank's share of the validation prompts."""
+    any: features/episodes.Episodes), checked for the run's features (check_data), the training
+    loader and this rank's share of the validation prompts."""
     schemas, open_turn = ((episodes.schemas or None, episodes.opens_prompt) if episodes
                           else (None, False))
     train_set, val_set = load_datasets(cfg.data, tokenizer, processor, run.console.print, schemas,
@@ -606,20 +608,14 @@ def load_data(cfg: Config, run: Run, tokenizer, processor, episodes) -> tuple:
     return train_set, val_set, loader, shard(val_set, run.rank, run.world) if val_set else []
 
 
-def scoring_of(cfg: Config, run: Run, tokenizer, processor) -> tuple[Scoring, Any]:
-    """What scores the rollouts (rewards.Scoring): the reward function, and the reward model when
-    --reward.model names one (loaded here, sharded as the reference; returned too: None without
-    one)."""
-    reward_model = (load_reward_model(run.reward_model_path, run.device, tokenizer,
-                                      cfg.actor.fsdp_cpu_offload)
-                    if run.reward_model_path else None)
+def scoring_of(cfg: Config, tokenizer, reward_model: RewardModel | None) -> Scoring:
+    """What scores the rollouts (rewards.Scoring): the reward function, then the reward model's
+    pass when there is one (features/reward_model.py)."""
     scoring = Scoring(
         RewardFunction(cfg.reward, cfg.rollout.max_response_length, report=report_once), tokenizer,
-        reward_model and functools.partial(reward_model_scores, reward_model, processor,
-                                           tokenizer.pad_token_id, run.device, cfg.actor),
-        cfg.reward.weights)
+        reward_model, cfg.reward.weights)
     scoring.reward_fn.trainer_state.max_steps = cfg.trainer.total_steps  # a TRL reward's to read
-    return scoring, reward_model
+    return scoring
 
 
 def rollout_buffer(cfg: Config, run: Run, rollout, loader: PromptLoader,

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_utils import reshard
@@ -463,8 +462,8 @@ def decoder_states(model, inputs: dict, **kwargs) -> torch.Tensor:
     return captured[0]
 
 
-def _over_micro_batches(model, batch: Batch, micro_batch_size: int, max_tokens: int,
-                        out: torch.Tensor, compute) -> torch.Tensor:
+def over_micro_batches(model, batch: Batch, micro_batch_size: int, max_tokens: int,
+                       out: torch.Tensor, compute) -> torch.Tensor:
     """`out` ([B, ...]) filled with compute(micro-batch) over micro_batches, in eval mode: a
     checkpoint's dropout (or --lora.dropout) would otherwise draw different values for the same
     tokens at every pass. No backward follows these passes, so the model's root FSDP unit is
@@ -572,46 +571,10 @@ def _spread(values: torch.Tensor, slots: torch.Tensor, b: int, R: int,
 def batched_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int,
                      max_tokens: int = 0, padding_free: bool = True, sp: SequenceParallel = NO_SP,
                      top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
-    """response_logprobs over micro-batches (_over_micro_batches: eval mode, the root resharded
+    """response_logprobs over micro-batches (over_micro_batches: eval mode, the root resharded
     after) -> [B, R]: the old and the reference log-probs. The update's own forward keeps the
     model's dropout."""
     out = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)  # [B, R]
-    return _over_micro_batches(model, batch, micro_batch_size, max_tokens, out,
-                               lambda micro: response_logprobs(model, micro, temperature,
-                                                               padding_free, sp, top_k, top_p))
-
-
-def sequence_scores(model, batch: Batch, padding_free: bool = True) -> torch.Tensor:
-    """A reward model's score of each whole sequence of a micro-batch [b]: its score head (a
-    sequence-classification model's `score`) on the decoder's hidden state at the sequence's last
-    token, as the model pools it itself."""
-    inputs, _, _ = forward_inputs(model, batch, padding_free)
-    states = decoder_states(model, inputs)  # the model's own pooling of a packed row is not used
-    lengths = batch.sequence_lengths
-    ends = to_device({"ends": [start + n - 1 for start, n
-                               in zip(sequence_starts(lengths, padding_free), lengths)]},
-                     batch.input_ids.device)["ends"]
-    # in fp32 (FSDP2 computes in bf16 on GPU): a score is one number, kept to its last bits
-    head = model.score
-    bias = None if head.bias is None else head.bias.float()
-    return F.linear(states.flatten(0, 1)[ends].float(), head.weight.float(), bias)[:, 0]  # [b]
-
-
-def reward_model_scores(model, processor, pad_id: int, device: torch.device, actor_cfg,
-                        groups: list, batch: Batch | None = None) -> list[float]:
-    """A reward model's score of every response of `groups` (rewards.Group), in the trainer's batch
-    (`batch`, built here when not given) and the actor's micro-batches (`actor_cfg`:
-    grpo.ActorConfig): rewards.Scoring's `model`."""
-    batch = batch or batch_of(groups, processor, pad_id, device)
-    return batched_scores(model, batch, actor_cfg.micro_batch_size,
-                          actor_cfg.max_tokens_per_micro_batch, actor_cfg.padding_free).tolist()
-
-
-@torch.no_grad()
-def batched_scores(model, batch: Batch, micro_batch_size: int, max_tokens: int = 0,
-                   padding_free: bool = True) -> torch.Tensor:
-    """sequence_scores over micro-batches (_over_micro_batches: eval mode, the root resharded after)
-    -> [B]."""
-    out = torch.zeros(len(batch), device=batch.input_ids.device)  # [B]
-    return _over_micro_batches(model, batch, micro_batch_size, max_tokens, out,
-                               lambda micro: sequence_scores(model, micro, padding_free))
+    return over_micro_batches(model, batch, micro_batch_size, max_tokens, out,
+                              lambda micro: response_logprobs(model, micro, temperature,
+                                                              padding_free, sp, top_k, top_p))

@@ -25,7 +25,7 @@ Design decisions:
 - What a reader of RL does not need lives in plumbing/: the time limits and the async loop
   (plumbing/calls.py), the judge and its HTTP client (plumbing/judge.py), TRL's reward functions
   (plumbing/trl_rewards.py), loading a user's file or a task's reward (plumbing/loading.py); a
-  reward model's forward is logprobs.py's (reward_model_scores), which Scoring is given.
+  reward model is a feature (features/reward_model.py), whose pass Scoring is given.
 
 Use: `--reward.function math --reward.kwargs format_weight 0.2`
   or `--reward.function my_rewards.py:score --reward.batch`.
@@ -245,7 +245,7 @@ class Group:
 class Scoring:
     """What scores a step's responses: the reward function (any kind) and, with a reward model, its
     score of every sequence (`model`: groups, their trainer batch or None -> a score a response;
-    logprobs.reward_model_scores), combined by --reward.weights."""
+    features/reward_model.RewardModel), combined by --reward.weights."""
 
     reward_fn: "RewardFunction"
     tokenizer: Any

@@ -29,9 +29,10 @@ Design decisions:
   ones (logprobs.sampled_support).
 - Every generate call samples from its own RNG streams (torch's and numpy's: vLLM's two model
   runners read one each), seeded from (seed, engine, step, purpose, call index) and swapped in
-  around the call (`sampling_rng`): the ranks of a tensor-parallel engine then draw identical
-  samples whatever else touched the global RNG (a user's reward function, say), a rerun (or a
-  resumed run) draws the same samples, and the trainer's own RNG is left as it was.
+  around the call (`sampling_rng`, plumbing/engine_env.py): the ranks of a tensor-parallel engine
+  then draw identical samples whatever else touched the global RNG (a user's reward function,
+  say), a rerun (or a resumed run) draws the same samples, and the trainer's own RNG is left as it
+  was.
 - LoRA (lora.py): the engine gets the adapted weights merged, W + (alpha / rank) B A, in the same
   in-place stream as a full-parameter run's weights (fsdp_utils.stream_full_weights), rather than
   the adapter through vLLM's LoRA support. Correct by construction (the engine holds exactly the
@@ -44,15 +45,11 @@ Design decisions:
 
 import gc
 import logging
-import os
-import random
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig
@@ -63,6 +60,7 @@ from fsdp_utils import gathered, stream_full_weights, weights_replaced
 from rewards import Group, RoundScores, Scoring
 from plumbing.checkpoints import load_engine_weights, read_state
 from plumbing.collectives import all_reduce
+from plumbing.engine_env import SeedStream, cpu_shm_segments, sampling_rng
 from model.families import engine_dtype, kept_in_fp32, pack_again, tie_overrides
 from model.vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language,
                           placeholder_token_ids, vision_inputs)
@@ -348,44 +346,6 @@ def call_purpose(validation: bool, greedy: bool) -> str:
     return "greedy" if greedy else "validation" if validation else "train"
 
 
-class SeedStream:
-    """Seeds for successive generate calls: reproducible from
-    (seed, engine, step, purpose, call index).
-
-    Training, validation and greedy calls count separately, so how often a run validates does not
-    change its training samples (and a run resumed after a validating step draws what the straight
-    run drew).
-    """
-
-    def __init__(self, seed: int, engine_index: int):
-        self.seed, self.engine_index, self.version, self.calls = seed, engine_index, -1, {}
-
-    def next(self, version: int, purpose: str) -> int:
-        """The seed of the next `purpose` call at `version` (the call counters restart at every
-        step)."""
-        if version != self.version:
-            self.version, self.calls = version, {}
-        self.calls[purpose] = self.calls.get(purpose, -1) + 1
-        key = f"{self.seed}/{self.engine_index}/{version}/{purpose}/{self.calls[purpose]}"
-        return random.Random(key).randrange(2**62)
-
-
-@contextmanager
-def sampling_rng(seed: int, device: torch.device):
-    """The global RNGs vLLM samples from, seeded with `seed` inside and restored on exit: torch's
-    (CPU, and `device` if it is a GPU), which vLLM's V1 model runner (the CPU platform's) samples
-    with; and numpy's, from which its V2 runner (the default on CUDA) draws each request's seed as
-    the request is added (vllm/v1/worker/gpu/sample/states.py) and never reads torch's."""
-    numpy_state = np.random.get_state()
-    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])  # numpy takes 32-bit words
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            yield
-    finally:
-        np.random.set_state(numpy_state)
-
-
 # ==================================================================================================
 # vLLM: an engine in every training process
 # ==================================================================================================
@@ -504,7 +464,7 @@ class VLLMRollout:
         it, which the exit without interpreter teardown (plumbing/console.run) skips, and a segment
         left behind fails the next such run ("create shm in SHMManager failed. errno: 17").
         This rank's segments are removed here."""
-        segments = _cpu_shm_segments()
+        segments = cpu_shm_segments()
         self.llm.llm_engine.engine_core.shutdown()
         for segment in segments:
             segment.unlink(missing_ok=True)
@@ -579,24 +539,6 @@ class VLLMRollout:
                  for o in out.outputs] for out in outputs]
 
 
-def _cpu_shm_segments() -> list[Path]:
-    """The shared-memory files this rank's vLLM CPU communicators created (one per tensor- or
-    pipeline-parallel group that uses one: /dev/shm/GROUP_RANK)."""
-    from vllm.distributed import parallel_state
-    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
-
-    segments = []
-    for group in (parallel_state._TP, parallel_state._PP):
-        communicator = getattr(group, "device_communicator", None)
-        shm = getattr(communicator, "dist_module", None)
-        if isinstance(shm, _CPUSHMDistributed):
-            # shm_open(3) ignores the name's leading slashes (the group name starts with "//"
-            # under torchrun)
-            segments.append(Path("/dev/shm")
-                            / f"{shm.group_name}_{communicator.rank_in_group}".lstrip("/"))
-    return segments
-
-
 def _vllm_prompt(item: PromptItem) -> dict:
     """A vLLM prompt from a dataset item: token ids, plus the images and the videos (frames and
     metadata, which says which frames they are: vLLM samples none itself) when the row has some."""
@@ -609,20 +551,6 @@ def _vllm_prompt(item: PromptItem) -> dict:
     if media:
         prompt["multi_modal_data"] = media
     return prompt
-
-
-def vllm_environment() -> None:
-    """Environment vLLM must see before it is imported (set once, at start-up).
-
-    On a CPU the engine runs eagerly (`enforce_eager`: the platform has no graphs), but vLLM still
-    compiles one sampler helper with inductor (`batched_count_greater_than`, the sampled tokens'
-    ranks) at the first generate: 5 s of a 2-step job's start-up on 2 cores, every launch.
-    TORCHDYNAMO_DISABLE, read when vLLM decorates it at import, leaves it eager; the trainer
-    compiles nothing. GPUs keep vLLM's compilation."""
-    # keep the engine core in this process
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 # ==================================================================================================

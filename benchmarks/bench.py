@@ -90,7 +90,8 @@ def part_rollout(args) -> dict:
     import torch
 
     from fsdp_utils import init_distributed, load_sharded_model
-    from rollout import RolloutConfig, VLLMRollout, vllm_environment
+    from plumbing.engine_env import vllm_environment
+    from rollout import RolloutConfig, VLLMRollout
 
     vllm_environment()
     _, _, device = init_distributed()

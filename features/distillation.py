@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from fsdp_utils import load_teacher, reshard
+from fsdp_utils import load_scorer, reshard
 from logprobs import (Batch, HeadChunk, HeadColumn, batched_logprobs, forward_inputs,
                       response_states)
 from model.sequence_parallel import SequenceParallel
@@ -66,8 +66,8 @@ class Distillation:
     @classmethod
     def start(cls, cfg, run, tokenizer) -> "Distillation | None":
         """The teacher of --distill.teacher (grpo.Config `cfg`, grpo.Run `run`: its path resolved,
-        the device), refused unless its tokenizer is the student's (fsdp_utils.load_teacher); None
-        without one, and for an evaluation (--trainer.val-only: no update to teach)."""
+        the device), refused unless its tokenizer is the student's (load_teacher); None without
+        one, and for an evaluation (--trainer.val-only: no update to teach)."""
         if not run.teacher_path or cfg.trainer.val_only:
             return None
         return cls(load_teacher(run.teacher_path, run.device, tokenizer,
@@ -91,6 +91,16 @@ class Distillation:
         teacher over the whole vocabulary (--distill.kl reverse or forward; sampled: none, the
         teacher is in the advantages)."""
         return [] if self.cfg.kl == "sampled" else [divergence_column(self.teacher, self.cfg.kl)]
+
+
+def load_teacher(path: str, device: torch.device, tokenizer,
+                 cpu_offload: bool = False) -> torch.nn.Module:
+    """The teacher, which scores the student's own token ids (fsdp_utils.load_scorer: frozen,
+    sharded as the reference is): another size of the student's family."""
+    return load_scorer(path, device, tokenizer, cpu_offload,
+                       f"--distill.teacher {path}: its tokenizer is not the student's, and the "
+                       "teacher scores the student's token ids; pick a teacher of the student's "
+                       "family (the same tokenizer)")
 
 
 # ---- the sampled signal --------------------------------------------------------------------------

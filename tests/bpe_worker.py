@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 from fsdp_utils import init_distributed, load_sharded_model
 from logprobs import batched_logprobs, make_batch
 from plumbing.tiny import build_tiny_model
-from rollout import RolloutConfig, build_rollout, vllm_environment
+from plumbing.engine_env import vllm_environment
+from rollout import RolloutConfig, build_rollout
 from rollout_worker import TEMPERATURE, cases, logprob_gap
 
 

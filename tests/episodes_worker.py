@@ -30,7 +30,8 @@ from fsdp_utils import init_distributed, load_sharded_model
 from logprobs import batch_of, batched_logprobs
 from plumbing.tiny import build_tiny_model
 from rewards import Group
-from rollout import RolloutConfig, build_rollout, vllm_environment
+from plumbing.engine_env import vllm_environment
+from rollout import RolloutConfig, build_rollout
 from rollout_worker import TEMPERATURE, cases, every_rank
 from data import OPEN_TURN
 from features.env import RespondEnvironment, environment_class

@@ -24,7 +24,8 @@ from transformers import AutoProcessor, AutoTokenizer
 from fsdp_utils import init_distributed, load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
 from plumbing.tiny import VISION_ARCHITECTURES, build_tiny_model
-from rollout import RolloutConfig, build_rollout, vllm_environment
+from plumbing.engine_env import vllm_environment
+from rollout import RolloutConfig, build_rollout
 from conftest import stripes
 from launches import fresh_rendezvous
 from model.vision import Video, expand_prompt

@@ -72,8 +72,8 @@ def straight_and_resumed(tmp_path_factory):
 def test_resume_is_exact(straight_and_resumed):
     """Bitwise on CPU: the same weights, the same metric lines and validation samples (timings aside), each
     step's line once. Holds because nothing a step depends on is left out: weights, AdamW moments, the LR
-    schedule, the loader's position, the RNGs, and the sampling seeds (per step, rollout.SeedStream); and the
-    engine is synced to the resumed weights before it generates.
+    schedule, the loader's position, the RNGs, and the sampling seeds (per step, plumbing/engine_env.SeedStream); and
+    the engine is synced to the resumed weights before it generates.
     """
     tmp_path, _, output = straight_and_resumed
     assert "resumed from" in output and "step_000002" in output

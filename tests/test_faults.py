@@ -29,7 +29,7 @@ import grpo
 import scripts.merge as merge
 from conftest import ROOT, free_port, launch
 from launches import Part, Run, launched_cases, launched_run, uses_runs
-from fsdp_utils import check_model_exists, check_model_source
+from model.source import check_model_exists, check_model_source
 from plumbing.tiny import build_tiny_model
 
 SMALL = ["--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",

@@ -17,8 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from features.reward_model import batched_scores, sequence_scores
 from fsdp_utils import load_sharded_model
-from logprobs import batched_scores, make_batch, sequence_scores
+from logprobs import make_batch
 from plumbing.tiny import build_tiny_model
 from rewards import RewardConfig, RewardError, RewardFunction, combine
 
@@ -322,7 +323,7 @@ def test_the_reward_models_score_head_runs_in_fp32(tmp_path, world_of_one):
 def test_a_reward_model_is_refused_unless_it_is_one_and_shares_the_policys_tokenizer(tmp_path, world_of_one):
     from transformers import AutoTokenizer
 
-    from fsdp_utils import load_reward_model
+    from features.reward_model import load_reward_model
 
     policy = build_tiny_model("qwen2", tmp_path / "policy")
     tokenizer = AutoTokenizer.from_pretrained(policy)

@@ -10,12 +10,12 @@ import json
 import os
 import sys
 
-import rollout
+from plumbing.engine_env import vllm_environment
 
 results = os.fdopen(os.dup(1), "w")  # the JSON lines; whatever the libraries print goes to stderr
 os.dup2(2, 1)
 
-rollout.vllm_environment()  # before vLLM is imported
+vllm_environment()  # before vLLM is imported
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
