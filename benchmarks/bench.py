@@ -35,7 +35,7 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   the built-in code task (toy_code: 3 sandbox runs a sample); timing/reward and the whole step, means over steps 2 to
   --steps.
 - sp (`--only sp`): sequence parallelism. One long sequence through the update's forward and backward on 2 ranks,
-  whole and cut over both (sequence_parallel.py), at 2k to 16k tokens, each in a fresh process: a rank's peak
+  whole and cut over both (model/sequence_parallel.py), at 2k to 16k tokens, each in a fresh process: a rank's peak
   memory above what it held before (the longest each holds within one budget) and seconds per update.
 - correction (`--only correction`): the rollout correction. The default job with 2 mini-batches a step (so the
   old-log-prob pass runs) against the engine's log-probs as the old ones (--algorithm.old-logprobs engine: no pass),
