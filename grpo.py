@@ -52,13 +52,16 @@ from features.distillation import DistillConfig, Distillation
 from features.env import check_environment, environment_class
 from features.episodes import EpisodeRollout, episode_metrics, episodes_of
 from features.reward_model import RewardModel
+from features.tools import ToolConfig
 from fsdp_utils import (HF_MARKER, TrainingState, check_output_folder, init_distributed,
                         load_actor_and_reference, save_hf_model)
 from logprobs import (Batch, HeadColumn, batch_of, batched_logprobs, micro_batches,
                       response_outputs)
 from model.families import attention_line
 from model.lora import LoRAConfig, adapters_off
+from model.sequence_parallel import NO_SP, SequenceParallel
 from model.source import check_model_exists, check_model_source
+from model.vision import is_vision_language
 from plumbing.balance import balance_over_ranks
 from plumbing.checkpoints import (agree_on_resume_point, hold_run_folder, load_model,
                                   prepare_run_folder, read_state, resume, save_checkpoint,
@@ -76,9 +79,6 @@ from plumbing.tiny import ARCHITECTURES, REAL_VOCABULARY, VISION_ARCHITECTURES, 
 from plumbing.trackers import Trackers, check_loggers, write_evaluation
 from rewards import Group, RewardConfig, RewardError, RewardFunction, Scoring
 from rollout import RolloutBuffer, RolloutConfig, RolloutProducer, start_engine
-from model.sequence_parallel import NO_SP, SequenceParallel
-from features.tools import ToolConfig
-from model.vision import is_vision_language
 
 
 @dataclass

@@ -43,11 +43,11 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_utils import reshard
 from model.lora import base_of
-from plumbing.collectives import all_reduce, to_device
-from plumbing.memory import CHUNK_TOKENS  # the output head's chunk, sized by the memory estimate
 from model.sequence_parallel import NO_SP, SequenceParallel
 from model.vision import (PLACEHOLDER_BIAS, concat, expand, family, is_vision_language,
                           placeholder_token_ids, repeat, vision_inputs)
+from plumbing.collectives import all_reduce, to_device
+from plumbing.memory import CHUNK_TOKENS  # the output head's chunk, sized by the memory estimate
 
 # what a batch field spans: [B, T], [B, R], one value a row
 SEQUENCE, RESPONSE, ROW = "sequence", "response", "row"

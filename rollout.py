@@ -57,13 +57,13 @@ from transformers import AutoConfig
 from algorithms import ADVANTAGE_ESTIMATORS, AlgorithmConfig, keep_group
 from data import PromptItem, PromptLoader
 from fsdp_utils import gathered, stream_full_weights, weights_replaced
-from rewards import Group, RoundScores, Scoring
-from plumbing.checkpoints import load_engine_weights, read_state
-from plumbing.collectives import all_reduce
-from plumbing.engine_env import SeedStream, cpu_shm_segments, sampling_rng
 from model.families import engine_dtype, kept_in_fp32, pack_again, tie_overrides
 from model.vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language,
                           placeholder_token_ids, vision_inputs)
+from plumbing.checkpoints import load_engine_weights, read_state
+from plumbing.collectives import all_reduce
+from plumbing.engine_env import SeedStream, cpu_shm_segments, sampling_rng
+from rewards import Group, RoundScores, Scoring
 
 
 @dataclass
