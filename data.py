@@ -179,8 +179,8 @@ class PromptDataset:
     """The prompts of one dataset, ready for the rollout: item i is a PromptItem. `processor`: the
     model's (vision-language models), which renders prompts with images and videos and says how many
     tokens each costs; `tools`: the JSON schemas of the tools offered, which the chat template lists
-    in the prompt (tools.py); `open_turn`: each prompt ends with the user's text, the rest of the
-    turn left to the episode (an environment class's reset ends it: env.py)."""
+    in the prompt (features/tools.py); `open_turn`: each prompt ends with the user's text, the rest
+    of the turn left to the episode (an environment class's reset ends it: features/env.py)."""
 
     def __init__(self, rows: datasets.Dataset, cfg: DataConfig, tokenizer, name: str,
                  processor=None, tools: list[dict] | None = None, open_turn: bool = False):
@@ -358,7 +358,7 @@ class PromptDataset:
 def load_datasets(cfg: DataConfig, tokenizer, processor, say, tools: list[dict] | None = None,
                   open_turn: bool = False) -> tuple[PromptDataset, PromptDataset | None]:
     """The training prompts and the validation prompts (None without validation files); `tools`:
-    the JSON schemas of the tools the prompts offer the model (tools.py); `open_turn`:
+    the JSON schemas of the tools the prompts offer the model (features/tools.py); `open_turn`:
     PromptDataset's."""
     train_set = PromptDataset(load_rows(cfg.train_files), cfg, tokenizer, cfg.train_files,
                               processor, tools, open_turn)

@@ -5,10 +5,10 @@ Design decisions:
 - One process per device (torchrun). NCCL on GPU, gloo on CPU, chosen from what the machine has.
   Multi-node is torchrun's job (`--nnodes`, `--node_rank`, `--master_addr`): nothing here changes.
 - `fully_shard` on every block named in the model's `_no_split_modules` (decoder layers, and vision
-  blocks for VLMs), on a VLM's vision tower (the module its family's adapter names: vision.py), then
-  on the root, as torchtitan does. bf16 compute with fp32 master weights (or bf16 ones,
-  --actor.dtype) and fp32 gradient reduction on GPU; plain fp32 on CPU (no fast bf16 matmul path
-  worth the rounding there).
+  blocks for VLMs), on a VLM's vision tower (the module its family's adapter names:
+  model/vision.py), then on the root, as torchtitan does. bf16 compute with fp32 master weights (or
+  bf16 ones, --actor.dtype) and fp32 gradient reduction on GPU; plain fp32 on CPU (no fast bf16
+  matmul path worth the rounding there).
 - Loading without a full model copy per rank: every rank builds the model on the meta device and
   shards it; only rank 0 reads the checkpoint and broadcasts one tensor at a time, through the
   training device, and each rank keeps its shard (torch's
@@ -89,9 +89,9 @@ def load_sharded_model(path: str, device: torch.device, trainable: bool,
     the frozen reference needs no fp32 master copy, so on GPU it is stored in bf16, half the memory.
     `cpu_offload`: FSDP2 keeps the parameters, gradients and optimizer states in CPU memory and
     copies each unit to the device for its forward and backward. `lora` with a rank: peft's LoRA
-    adapters (lora.py), the only trainable weights; on GPU the frozen base is then stored in bf16
-    whatever `dtype` says. `videos`: a vision-language model's run reads videos, so every forward
-    runs its vision tower for videos too (vision.keep_vision_tower_in_step).
+    adapters (model/lora.py), the only trainable weights; on GPU the frozen base is then stored in
+    bf16 whatever `dtype` says. `videos`: a vision-language model's run reads videos, so every
+    forward runs its vision tower for videos too (vision.keep_vision_tower_in_step).
     """
     config = AutoConfig.from_pretrained(path)
     with_adapters = lora is not None and lora.rank > 0

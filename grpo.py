@@ -110,7 +110,7 @@ class ActorConfig:
     logprobs.py)."""
     sequence_parallel_size: int = 1
     """Ulysses sequence parallelism: groups of this many ranks train on the same micro-batches, each
-    packed row cut over them and attention computed by heads (sequence_parallel.py):
+    packed row cut over them and attention computed by heads (model/sequence_parallel.py):
     activations / N, for responses one GPU cannot hold (1: off)."""
     balance_ranks: bool = True
     """Before the update, move sequences between ranks so each holds about as many tokens

@@ -13,7 +13,7 @@ Design decisions:
   own varlen kernel on GPU, sdpa once per sequence otherwise: plumbing/attention.py), so a packed
   forward gives each sequence the log-probs it gets alone, and no compute is spent on padding.
   Vision-language models get their 3-D M-RoPE positions computed per sequence (by their family's
-  adapter, vision.py) and packed the same way, under a fourth row of 1-D text positions
+  adapter, model/vision.py) and packed the same way, under a fourth row of 1-D text positions
   (transformers' packed format for M-RoPE: row 0 tells the sequences apart).
 - The output head never sees the whole micro-batch: the decoder's last hidden states of the response
   positions only ([N, H]) go through the head a chunk of CHUNK_TOKENS at a time, and each chunk's
@@ -271,7 +271,7 @@ def forward_inputs(model, batch: Batch, padding_free: bool, sp: SequenceParallel
     such token's place in the [b, R] layout of `batch.responses` ([N]). With sequence parallelism
     (packed only), the row is padded to a multiple of N (the padding one more packed sequence), and
     the index and places are those of the response tokens predicted in this rank's slice, the index
-    into the slice (sequence_parallel.py cuts the row in the forward).
+    into the slice (model/sequence_parallel.py cuts the row in the forward).
 
     Packed: input_ids [1, S] with S the total length, position_ids [1, S] restarting at 0 for each
     sequence (vision-language: [4, 1, S], text positions over the 3-D M-RoPE ones), and the packing
@@ -486,10 +486,10 @@ def response_logprobs(model, batch: Batch, temperature: float, padding_free: boo
     -> [b, R], 0 on padding; with top-k / top-p, of the distribution sampling kept
     (sampled_support), as the engines' are.
 
-    A vision-language model's image placeholder tokens get the engines' logit bias (vision.py). With
-    sequence parallelism every rank of the group computes the log-probs of the tokens its slice
-    predicts, and all of them get the whole [b, R] (sequence_parallel.py; the gradient of each entry
-    flows to the rank that computed it).
+    A vision-language model's image placeholder tokens get the engines' logit bias
+    (model/vision.py). With sequence parallelism every rank of the group computes the log-probs of
+    the tokens its slice predicts, and all of them get the whole [b, R]
+    (model/sequence_parallel.py; the gradient of each entry flows to the rank that computed it).
     """
     (logprobs,) = _on_responses(model, batch, padding_free, sp, temperature=temperature,
                                 top_k=top_k, top_p=top_p)

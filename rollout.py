@@ -33,14 +33,14 @@ Design decisions:
   then draw identical samples whatever else touched the global RNG (a user's reward function,
   say), a rerun (or a resumed run) draws the same samples, and the trainer's own RNG is left as it
   was.
-- LoRA (lora.py): the engine gets the adapted weights merged, W + (alpha / rank) B A, in the same
-  in-place stream as a full-parameter run's weights (fsdp_utils.stream_full_weights), rather than
-  the adapter through vLLM's LoRA support. Correct by construction (the engine holds exactly the
-  adapted model; the gap stays at the full-parameter level) and free of a merge/unmerge cycle on the
-  trainer's weights; vLLM's LoRA path would need its adapter saved and reloaded each step and LoRA
-  kernels in every forward. Not measured against each other: the CPU build cannot show the GPU
-  trade-off (shipping a small adapter against streaming the whole model), which favours vLLM's path
-  for large models.
+- LoRA (model/lora.py): the engine gets the adapted weights merged, W + (alpha / rank) B A, in the
+  same in-place stream as a full-parameter run's weights (fsdp_utils.stream_full_weights), rather
+  than the adapter through vLLM's LoRA support. Correct by construction (the engine holds exactly
+  the adapted model; the gap stays at the full-parameter level) and free of a merge/unmerge cycle
+  on the trainer's weights; vLLM's LoRA path would need its adapter saved and reloaded each step
+  and LoRA kernels in every forward. Not measured against each other: the CPU build cannot show the
+  GPU trade-off (shipping a small adapter against streaming the whole model), which favours vLLM's
+  path for large models.
 """
 
 import gc
@@ -110,9 +110,9 @@ class RolloutConfig:
     the weights the update starts from and stays awake through it (no memory is freed for the
     update), and validation samples a step behind too."""
     env: str = ""
-    """Multi-turn episodes against an environment (env.py): a class, `path/to/file.py:Class` or
-    `module:Class`, one instance per episode; a built-in (toy); or `textarena:GAME`. Empty: one turn
-    (or, with --tools.functions, turns of tool calls)."""
+    """Multi-turn episodes against an environment (features/env.py): a class,
+    `path/to/file.py:Class` or `module:Class`, one instance per episode; a built-in (toy); or
+    `textarena:GAME`. Empty: one turn (or, with --tools.functions, turns of tool calls)."""
     max_turns: int = 4
     """Episodes (--rollout.env, --tools.functions): generated turns per episode at most."""
     max_turn_tokens: int = 0
@@ -137,7 +137,7 @@ class Response:
     """True when the response hit max_response_length instead of ending with EOS."""
     mask: list[int] | None = None
     """1 on the tokens the model generated, 0 on those it was given (what an environment said in a
-    multi-turn episode, env.py); None: all generated."""
+    multi-turn episode, features/env.py); None: all generated."""
     images: list = field(default_factory=list)
     """Images inside the response (an environment's), in order: one `<|image_pad|>` each in
     token_ids."""
@@ -428,7 +428,7 @@ class VLLMRollout:
             groups = [dist.new_group(list(range(first, first + tp)))
                       for first in range(0, dist.get_world_size(), tp)]
             self.tp_group = groups[dist.get_rank() // tp]
-        # a vision-language model's image/video placeholders: never sampled (vision.py says why)
+        # a vision-language model's image/video placeholders: never sampled (model/vision.py: why)
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.logit_bias = {t: PLACEHOLDER_BIAS for t in placeholder_token_ids(hf_config)}
         self.seeds, self.device = SeedStream(cfg.seed, engine_index), device
@@ -504,8 +504,8 @@ class VLLMRollout:
         --rollout.staleness steps) is a bug, so it raises. validation: the val_* sampling settings;
         greedy: one response at temperature 0 (ReMax's baseline). n: responses per prompt instead of
         the settings' own; max_tokens: each prompt's limit instead of max_response_length (a
-        multi-turn episode's next turn, env.py). No prompts: nothing to do, but a tensor-parallel
-        rank still joins its engine's call.
+        multi-turn episode's next turn, features/episodes.py). No prompts: nothing to do, but a
+        tensor-parallel rank still joins its engine's call.
         """
         from vllm import SamplingParams
 
@@ -620,7 +620,8 @@ class HFRollout:
                  greedy: bool = False, n: int | None = None,
                  max_tokens: list[int] | None = None) -> list[list[Response]]:
         """Same contract as VLLMRollout.generate. Every call gathers the weights (a collective), so
-        a rank with no prompts still calls it when others do (env.py keeps the ranks in step)."""
+        a rank with no prompts still calls it when others do (features/episodes.py keeps the ranks
+        in step)."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         check_version(self, version)

@@ -273,7 +273,7 @@ def family(config) -> Qwen2VLFamily:
 def processor_family(processor) -> Qwen2VLFamily:
     """The adapter of the family whose processor `processor` is (the processor class transformers
     gives its model_type), for the callers that hold the processor and no config (data.py,
-    env.py, expand)."""
+    features/env.py, expand)."""
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     name = type(processor).__name__

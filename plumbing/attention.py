@@ -25,7 +25,7 @@ carry a state along the row, and what makes them exact on a packed row is their 
 they need of the packing is here (`PACKING`).
 
 All the trainer's attentions (packed_sdpa, packed_varlen, and flash-attn under transformers' own name) take a
-sequence-parallel group in their kwargs (`sequence_parallel`: sequence_parallel.py, whose pre-hook on the language
+sequence-parallel group in their kwargs (`sequence_parallel`: model/sequence_parallel.py, whose pre-hook on the language
 model gives it to its layers alone, never to a vision tower's) when the rows are cut over ranks: they then attend
 between the group's all-to-alls.
 """
@@ -161,7 +161,7 @@ PACKING = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "pa
 
 
 def sequence_parallel_aware(attention):
-    """`attention` (transformers' interface) that, given `sequence_parallel` (sequence_parallel.py: the query, key and
+    """`attention` (transformers' interface) that, given `sequence_parallel` (model/sequence_parallel.py: query, key and
     value are this rank's slice of a packed row), runs on all of the row's tokens of this rank's heads, between the
     group's all-to-alls; without it, `attention` as it is."""
 

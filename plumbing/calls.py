@@ -1,6 +1,6 @@
 """Calls of a user's code within time limits, three ways:
 - at once, each in a daemon thread (run_at_once): what the environments of a rank's episodes do to answer a turn
-  (env.py: reset, respond; tools.py: each tool call), all of them together;
+  (features/env.py: reset, respond; features/tools.py: each tool call), all of them together;
 - one at a time on the main thread within a deadline (Deadline): a plain reward function's call (rewards.py);
 - async on an event loop of their own (EventLoop): an async reward's calls, while the trainer goes on.
 
