@@ -45,7 +45,7 @@ import tyro
 
 from plumbing.calls import CallTimeout, Deadline, EventLoop, Raised
 from plumbing.judge import Judge
-from plumbing.loading import load_object, task_piece, tasks_with
+from plumbing.loading import load_function, task_piece, tasks_with
 from plumbing.trl_rewards import AsyncTRLReward, TrainerState, TRLReward, is_trl_reward
 
 
@@ -525,9 +525,6 @@ def load_reward(spec: str) -> Callable[..., Any]:
                           f"({', '.join([*tasks_with('reward'), *GENERIC])}) or "
                           "path/to/file.py:function")
     try:
-        fn = load_object(spec, "reward", "--reward.function")
+        return load_function(spec, "reward", "--reward.function")
     except ValueError as error:
         raise RewardError(str(error)) from None
-    if not callable(fn):
-        raise RewardError(f"{spec} is a {type(fn).__name__}, not a function")
-    return fn

@@ -56,7 +56,7 @@ from PIL import Image
 
 from features.env import Environment, Reply, check_images, content, cut, cut_answer
 from plumbing.calls import Call, Outcome
-from plumbing.loading import load_module, load_object, task_piece, tasks_with
+from plumbing.loading import load_function, load_module, task_piece, tasks_with
 
 INJECTED = ("row", "images")  # tool parameters the loop fills in; the model never sees them
 
@@ -130,11 +130,8 @@ def load_parser(spec: str) -> Callable[[str], list[ToolCall]]:
     parser = parse_qwen if spec == "qwen" else task_piece(spec, "parser", "tools")
     if parser is not None:
         return parser
-    parser = load_object(spec, "tool_parser", "--tools.parser",
+    return load_function(spec, "tool_parser", "--tools.parser",
                          f"a built-in ({', '.join(['qwen', *tasks_with('parser', 'tools')])})")
-    if not callable(parser):
-        raise ValueError(f"--tools.parser {spec!r} is a {type(parser).__name__}, not a function")
-    return parser
 
 
 # --------------------------------------------------------------------------------------------------

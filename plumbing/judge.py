@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from plumbing.loading import load_object, load_template
+from plumbing.loading import load_function, load_template
 
 
 class JudgeError(Exception):
@@ -187,11 +187,9 @@ def parser_function(spec: str, error: type[Exception]) -> Callable[[str], dict[s
     A failure (what it raises, a result that is no number) names the parser and the reply it failed
     on."""
     try:
-        fn = load_object(spec, "reward", "--reward.judge-parser")
+        fn = load_function(spec, "reward", "--reward.judge-parser")
     except ValueError as problem:
         raise error(str(problem)) from None
-    if not callable(fn):
-        raise error(f"{spec} is a {type(fn).__name__}, not a function")
 
     def parse(text: str) -> dict[str, float]:
         try:

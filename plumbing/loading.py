@@ -49,6 +49,14 @@ def load_object(spec: str, prefix: str, flag: str, builtins: str = ""):
     return getattr(module, name)
 
 
+def load_function(spec: str, prefix: str, flag: str, builtins: str = ""):
+    """load_object, which must be a function (or any callable): a reward, a judge's parser, a tools parser."""
+    fn = load_object(spec, prefix, flag, builtins)
+    if not callable(fn):
+        raise ValueError(f"{flag}: {spec} is a {type(fn).__name__}, not a function")
+    return fn
+
+
 def load_template(path: str, flag: str):
     """A Jinja template file, found as given or in the project's templates/ (so `templates/math.jinja` works from
     anywhere), undefined variables an error ({{ contnet }} fails instead of rendering as '')."""
