@@ -477,10 +477,12 @@ def main(cfg: Config) -> None:
     scheduler = build_scheduler(optimizer, cfg.actor.warmup_steps, cfg.actor.lr_schedule,
                                 cfg.actor.min_lr_ratio, cfg.trainer.total_steps)
     kl = RewardKL(algo.kl_coef)  # the KL-in-reward coefficient, adapted step by step (adaptive KL)
+    resumed = None  # the checkpoint's trainer state, for the parts that take theirs from it
     if start is not None and cfg.trainer.val_only:
         load_model(start, actor)
     elif start is not None:  # everything a step depends on, as it was after the checkpoint's step
-        kl.load_state_dict(resume(start, actor, optimizer, scheduler, console.print))
+        resumed = resume(start, actor, optimizer, scheduler, console.print)
+        kl.load_state_dict(resumed)
     reward_model = RewardModel.start(cfg, run, tokenizer, processor)  # None without
     scoring = scoring_of(cfg, tokenizer, reward_model)  # the reward function, then the model
     distill = Distillation.start(cfg, run, tokenizer)  # on-policy distillation; None without
@@ -496,7 +498,7 @@ def main(cfg: Config) -> None:
                                  device, episodes.opens_prompt, episodes.schemas)
     if cfg.trainer.val_only:
         return evaluate(cfg, run, rollout, val_set, val_items, scoring)
-    buffer = rollout_buffer(cfg, run, rollout, loader, scoring)  # the step's groups (rollout.py)
+    buffer = rollout_buffer(cfg, run, rollout, loader, scoring, resumed)  # the step's groups
     # the old log-probs without a pass of their own: the update's (on-policy) or the engine's
     no_old_pass = on_policy_update(cfg) or algo.old_logprobs == "engine"
     # sequences a rank trains on per optimizer step
@@ -618,17 +620,18 @@ def scoring_of(cfg: Config, tokenizer, reward_model: RewardModel | None) -> Scor
     return scoring
 
 
-def rollout_buffer(cfg: Config, run: Run, rollout, loader: PromptLoader,
-                   scoring: Scoring) -> RolloutBuffer:
+def rollout_buffer(cfg: Config, run: Run, rollout, loader: PromptLoader, scoring: Scoring,
+                   resumed: dict | None) -> RolloutBuffer:
     """Where the loop gets its scored groups (rollout.py's contract): a producer that owns the
     loader, the engine (`rollout`), scoring and dynamic sampling, behind a buffer whose lag bound is
-    --rollout.staleness (0: the synchronous step); a resumed run's where its checkpoint left it."""
+    --rollout.staleness (0: the synchronous step); a resumed run's (`resumed`: the checkpoint's
+    trainer state) where its checkpoint left it."""
     producer = RolloutProducer(rollout, loader, scoring, cfg.algorithm,
                                cfg.trainer.rollout_batch_size // run.world,
                                skip_failed=cfg.reward.on_error == "skip-group", device=run.device)
     buffer = RolloutBuffer(producer, max_lag=cfg.rollout.staleness)
-    if run.start is not None:
-        buffer.load_state_dict(read_state(run.start))
+    if resumed is not None:
+        buffer.load_state_dict(resumed)
     return buffer
 
 
