@@ -74,7 +74,11 @@ class AlgorithmConfig:
     rollout_correction: str = "none"
     """Importance weights for the engine-trainer mismatch: a name in ROLLOUT_CORRECTIONS (none,
     token_truncate, token_mask, sequence_truncate, sequence_mask, geometric_mask); any but none
-    needs the old-log-prob pass."""
+    needs the old-log-prob pass. none becomes token_truncate where samples may lag the trainer
+    (--rollout.max-lag above 0) unless --algorithm.no-correct-lag."""
+    correct_lag: bool = True
+    """With --rollout.max-lag above 0: a rollout correction even where the flag says none
+    (token_truncate); --algorithm.no-correct-lag trains on lagging samples uncorrected."""
     correction_high: float = 3.0
     """Rollout correction: the truncations' cap C, and the masks' upper bound of the weight."""
     correction_low: float = 0.0

@@ -46,26 +46,43 @@ from plumbing.checkpoints import out_of_space, readable_like_other_files, size_t
 from plumbing.tiny import model_class
 
 
-def init_distributed(timeout_minutes: float = 30,
-                     cpu_offload: bool = False) -> tuple[int, int, torch.device]:
-    """Join torchrun's process group; a plain `python grpo.py` runs as a world of one.
+def init_distributed(timeout_minutes: float = 30, cpu_offload: bool = False,
+                     generators: int = 0) -> tuple[int, int, torch.device]:
+    """Join torchrun's process group; a plain `python grpo.py` runs as a world of one. Returns this
+    rank's place in its process group: (rank, world size, device).
 
     The timeout bounds every collective, the first ones included: while rank 0 reads a large
     checkpoint the other ranks wait in the broadcast that follows, so it must cover that read.
     `cpu_offload`: FSDP2's CPU offload will reduce host tensors too (process_group_backend).
+    `generators` > 0 (--rollout.generators, the separate placement): the launch's first
+    `generators` ranks and the others each get a default process group of their own (vLLM's ranks
+    build their groups over the default group's ranks, FSDP2 its mesh), made on torchrun's store;
+    features/generators.Link joins the two.
     """
     for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                          ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
         os.environ.setdefault(key, default)
     timeout = timedelta(minutes=timeout_minutes)
+    side = {}
+    if generators:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # torchrun's agent hosts the store, else rank 0 does (as torch's env:// rendezvous has it)
+        hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=hosting, timeout=timeout)
+        generating = rank < generators
+        side = dict(store=dist.PrefixStore("generators" if generating else "trainers", store),
+                    rank=rank if generating else rank - generators,
+                    world_size=generators if generating else world - generators)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group(process_group_backend("cuda", cpu_offload), device_id=device,
-                                timeout=timeout)
+                                timeout=timeout, **side)
     else:
         device = torch.device("cpu")
-        dist.init_process_group(process_group_backend("cpu", cpu_offload), timeout=timeout)
+        dist.init_process_group(process_group_backend("cpu", cpu_offload), timeout=timeout,
+                                **side)
     return dist.get_rank(), dist.get_world_size(), device
 
 

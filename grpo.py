@@ -34,9 +34,11 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,7 +52,8 @@ from algorithms import (ADVANTAGE_ESTIMATORS, ENTROPY_METHODS, POLICY_LOSSES, RO
 from data import DataConfig, PromptLoader, load_datasets, parse_spec, shard
 from features.distillation import DistillConfig, Distillation
 from features.env import check_environment, environment_class
-from features.episodes import EpisodeRollout, episode_metrics, episodes_of
+from features.episodes import EpisodeRollout, Episodes, episode_metrics, episodes_of
+from features.generators import GeneratedRollouts, Generators, Link, lost_a_rank, serve
 from features.reward_model import RewardModel
 from features.tools import ToolConfig
 from fsdp_utils import (HF_MARKER, TrainingState, check_output_folder, init_distributed,
@@ -78,7 +81,7 @@ from plumbing.optimizer import build_optimizer, build_scheduler
 from plumbing.tiny import ARCHITECTURES, REAL_VOCABULARY, VISION_ARCHITECTURES, resolve_model
 from plumbing.trackers import Trackers, check_loggers, write_evaluation
 from rewards import Group, RewardConfig, RewardError, RewardFunction, Scoring
-from rollout import RolloutBuffer, RolloutConfig, RolloutProducer, start_engine
+from rollout import RolloutBuffer, RolloutConfig, RolloutProducer, build_rollout, start_engine
 
 
 @dataclass
@@ -199,6 +202,12 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self):
+        """Samples that may lag the trainer are corrected unless --algorithm.no-correct-lag."""
+        algo = self.algorithm
+        if self.rollout.max_lag and algo.correct_lag and algo.rollout_correction == "none":
+            algo.rollout_correction = "token_truncate"
 
 
 # ==================================================================================================
@@ -344,7 +353,9 @@ def validate(rollout, val_items, step, scoring: Scoring,
              device: torch.device) -> tuple[dict, list[dict]]:
     """Validation metrics over all ranks (mean rewards and lengths; pass@k of each reward key), and
     this rank's samples (prompt, response, ground truth, scores)."""
-    groups = scoring(val_items, rollout.generate(val_items, step, validation=True))
+    # the separate placement's generators sample and score (features/generators.Generators.scored)
+    groups = (rollout.scored(val_items, step, scoring) if hasattr(rollout, "scored")
+              else scoring(val_items, rollout.generate(val_items, step, validation=True)))
     samples = [{"prompt": g.item["prompt"], "ground_truth": str(g.item["ground_truth"]), "score": s,
                 "response": scoring.tokenizer.decode(r.token_ids, skip_special_tokens=True)}
                for g in groups for r, s in zip(g.responses, g.scores)]
@@ -377,6 +388,12 @@ class Run:
     model_path: str
     reward_model_path: str  # "" without a reward model
     teacher_path: str  # "" without a teacher
+    link: Link | None = None  # the separate placement's (--rollout.generators)
+
+    @property
+    def generating(self) -> bool:
+        """This rank only generates (--rollout.generators)."""
+        return self.link is not None and self.link.generating
 
 
 def open_run(cfg: Config) -> Run | None:
@@ -395,8 +412,10 @@ def open_run(cfg: Config) -> Run | None:
     model_path = resolve_model(cfg.actor.model_path, cfg.trainer.output_dir)
     reward_model_path = resolve_model(cfg.reward.model, cfg.trainer.output_dir)  # "" without one
     teacher_path = resolve_model(cfg.distill.teacher, cfg.trainer.output_dir)  # "" without one
+    timeout = timedelta(minutes=cfg.trainer.dist_timeout_minutes)
     rank, world, device = init_distributed(cfg.trainer.dist_timeout_minutes,
-                                           cfg.actor.fsdp_cpu_offload)
+                                           cfg.actor.fsdp_cpu_offload, cfg.rollout.generators)
+    link = Link(cfg.rollout.generators, device, timeout) if cfg.rollout.generators else None
     dist.barrier()  # every node's tiny model is written
     check_model_source(model_path, cfg.actor.model_path,
                        cfg.data.max_prompt_length + cfg.rollout.max_response_length)
@@ -406,9 +425,14 @@ def open_run(cfg: Config) -> Run | None:
         check_model_exists(teacher_path, f"--distill.teacher {cfg.distill.teacher}")
     sp = SequenceParallel.build(cfg.actor.sequence_parallel_size, model_path)
     torch.manual_seed(cfg.trainer.seed)
-    console = Console(quiet=rank != 0, soft_wrap=True)
+    console = Console(quiet=rank != 0 or bool(link and link.generating), soft_wrap=True)
     # a checkpoint of another job is refused
     job = {"model": cfg.actor.model_path, "data": cfg.data.train_files, "env": cfg.rollout.env}
+    paths = (model_path, reward_model_path, teacher_path)
+    if link and link.generating:  # the trainers decide where the run starts
+        first_step = link.plan()[0]
+        return None if first_step is None else Run(folder, rank, world, device, sp, console, job,
+                                                   None, first_step, *paths, link)
     # one launch trains in a run folder at a time (an evaluation only reads it)
     if not cfg.trainer.val_only:
         hold_run_folder(folder)
@@ -421,14 +445,18 @@ def open_run(cfg: Config) -> Run | None:
         console.print(f"nothing to train: {folder} is at step {first_step - 1} of "
                       f"--trainer.total-steps {cfg.trainer.total_steps}; raise it to train on, or "
                       "choose another --trainer.experiment-name")
+        if link:
+            link.tell_plan(None, None)
         dist.destroy_process_group()
         return None
     # the folder made ready to train in; an evaluation leaves it as it is and says what it evaluates
     if rank == 0:
         prepare_run_folder(folder, dataclasses.asdict(cfg), start, say=console.print)
     INTERRUPT_NOTES.append(lambda: stop_note(folder))  # a Ctrl-C says where the run stands
-    return Run(folder, rank, world, device, sp, console, job, start, first_step, model_path,
-               reward_model_path, teacher_path)
+    if link:  # the generators start where the trainers do
+        link.tell_plan(first_step, read_state(start)["loader"] if start else None)
+        signal.signal(signal.SIGTERM, lambda *_: lost_a_rank(folder))
+    return Run(folder, rank, world, device, sp, console, job, start, first_step, *paths, link)
 
 
 def evaluate(cfg: Config, run: Run, rollout, val_set, val_items: list, scoring: Scoring) -> None:
@@ -465,7 +493,10 @@ def main(cfg: Config) -> None:
     # refuse a run that cannot fit now, not with an out-of-memory error minutes later
     if device.type == "cuda":
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
-        console.print(check_run_memory(cfg, run.model_path, run.world, gpu_bytes).summary())
+        role = run.link and ("generator" if run.generating else "trainer") or ""
+        console.print(check_run_memory(cfg, run.model_path, run.world, gpu_bytes, role).summary())
+    if run.generating:  # this rank only generates: features/generators.py
+        return generate_only(cfg, run, tokenizer, processor, episodes, loader, val_set)
     uses_kl = algo.use_kl_loss or algo.use_kl_in_reward
     actor, ref = load_actor_and_reference(
         cfg.actor, cfg.lora, run.model_path, device,
@@ -490,12 +521,12 @@ def main(cfg: Config) -> None:
               if m is not None]
     training_state = TrainingState([actor, *frozen], optimizer, device,
                                    offload=cfg.actor.offload_while_generating)
-    rollout = start_engine(cfg.rollout, run.model_path,
-                           cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-                           actor, training_state, start)
-    if episodes:  # the engine, playing whole episodes
-        rollout = EpisodeRollout(rollout, cfg.rollout, episodes.environment, tokenizer, processor,
-                                 device, episodes.opens_prompt, episodes.schemas)
+    if run.link:  # the generator ranks' weights and validations, through the link
+        rollout = Generators.start(run.link, actor, run.first_step)
+    else:
+        rollout = episode_engine(cfg, run, start_engine(
+            cfg.rollout, run.model_path, max_model_len(cfg), actor, training_state, start),
+            episodes, tokenizer, processor)
     if cfg.trainer.val_only:
         return evaluate(cfg, run, rollout, val_set, val_items, scoring)
     buffer = rollout_buffer(cfg, run, rollout, loader, scoring, resumed)  # the step's groups
@@ -620,16 +651,63 @@ def scoring_of(cfg: Config, tokenizer, reward_model: RewardModel | None) -> Scor
     return scoring
 
 
+def max_model_len(cfg: Config) -> int:
+    """The longest sequence the engine holds: prompt and response."""
+    return cfg.data.max_prompt_length + cfg.rollout.max_response_length
+
+
+def episode_engine(cfg: Config, run: Run, engine, episodes: Episodes | None, tokenizer,
+                   processor):
+    """The engine, playing whole episodes where the run has them (features/episodes.py)."""
+    if not episodes:
+        return engine
+    return EpisodeRollout(engine, cfg.rollout, episodes.environment, tokenizer, processor,
+                          run.device, episodes.opens_prompt, episodes.schemas)
+
+
+def producer_of(cfg: Config, run: Run, engine, loader: PromptLoader,
+                scoring: Scoring) -> RolloutProducer:
+    """rollout.py's producer of this rank's groups: the loader, the engine, scoring, dynamic
+    sampling; this rank's quota of a step's prompts."""
+    return RolloutProducer(engine, loader, scoring, cfg.algorithm,
+                           cfg.trainer.rollout_batch_size // run.world,
+                           skip_failed=cfg.reward.on_error == "skip-group", device=run.device)
+
+
+def generate_only(cfg: Config, run: Run, tokenizer, processor, episodes: Episodes | None,
+                  loader: PromptLoader, val_set) -> None:
+    """A generator rank's run (--rollout.generators): vLLM and the producer (the reward function
+    scores on this rank: a reward model's pass runs on the trainers), serving the trainer ranks
+    until they are done (features/generators.serve)."""
+    engine = build_rollout(cfg.rollout, run.model_path, max_model_len(cfg), run.device, None)
+    run.link.tell_engine(engine)
+    producer = producer_of(cfg, run, episode_engine(cfg, run, engine, episodes, tokenizer,
+                                                    processor),
+                           loader, scoring_of(cfg, tokenizer, None))
+    loader_state = run.link.plan()[1]
+    if loader_state is not None:
+        producer.load_state_dict({"loader": loader_state})
+    trainers = run.link.trainers
+    serve(run.link, producer, range(run.first_step, cfg.trainer.total_steps + 1),
+          cfg.rollout, lambda t: shard(val_set, t, trainers) if val_set else [],
+          lambda: PhaseTimer(run.device))
+    dist.barrier()
+    engine.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def rollout_buffer(cfg: Config, run: Run, rollout, loader: PromptLoader, scoring: Scoring,
                    resumed: dict | None) -> RolloutBuffer:
     """Where the loop gets its scored groups (rollout.py's contract): a producer that owns the
     loader, the engine (`rollout`), scoring and dynamic sampling, behind a buffer whose lag bound is
     --rollout.staleness (0: the synchronous step); a resumed run's (`resumed`: the checkpoint's
     trainer state) where its checkpoint left it."""
-    producer = RolloutProducer(rollout, loader, scoring, cfg.algorithm,
-                               cfg.trainer.rollout_batch_size // run.world,
-                               skip_failed=cfg.reward.on_error == "skip-group", device=run.device)
-    buffer = RolloutBuffer(producer, max_lag=cfg.rollout.staleness)
+    if run.link:  # the separate placement: the groups the generator ranks send
+        return GeneratedRollouts(run.link, scoring, cfg.rollout,
+                                 resumed["loader"] if resumed else None)
+    buffer = RolloutBuffer(producer_of(cfg, run, rollout, loader, scoring),
+                           max_lag=cfg.rollout.staleness)
     if resumed is not None:
         buffer.load_state_dict(resumed)
     return buffer

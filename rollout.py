@@ -45,7 +45,7 @@ Design decisions:
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -109,6 +109,18 @@ class RolloutConfig:
     engine, one step behind: what the rollout correction is for). A study setting: the engine takes
     the weights the update starts from and stays awake through it (no memory is freed for the
     update), and validation samples a step behind too."""
+    generators: int = 0
+    """Separate placement (features/generators.py): the launch's first N ranks only generate (vLLM),
+    the others only train, and the weights go to the generators over a process group after every
+    update while they keep generating. 0: every rank generates, then trains (the same devices)."""
+    max_lag: int = 0
+    """The lag bound K: a sample reaches the trainer at most K weights versions after the one that
+    sampled it. 0: the synchronous step; K > 0 lets the generators run up to K versions ahead
+    (needs --rollout.generators; turns the rollout correction on: --algorithm.correct-lag)."""
+    on_stale: Literal["wait", "drop"] = "wait"
+    """With --rollout.max-lag: wait: the generators wait for weights new enough (nothing is
+    dropped); drop: they never wait for weights, and the trainer drops a batch beyond the bound
+    and takes the next (both counted: async/*)."""
     env: str = ""
     """Multi-turn episodes against an environment (features/env.py): a class,
     `path/to/file.py:Class` or `module:Class`, one instance per episode; a built-in (toy); or
@@ -479,10 +491,16 @@ class VLLMRollout:
         Collective: every rank streams the whole model (fsdp_utils.stream_full_weights gathers and
         casts one parameter at a time).
         """
+        self.load_weights(stream_full_weights(model, self.dtype, self.device, self.fp32), version,
+                          on_loaded)
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], version: int,
+                     on_loaded: Callable[[], None] = lambda: None) -> None:
+        """sync_weights from a stream of (HF name, full tensor in the engine's dtype): the trainer's
+        own, or one received from the trainer ranks (features/generators.py)."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        self._worker.reload_weights(
-            weights_iterator=stream_full_weights(model, self.dtype, self.device, self.fp32))
+        self._worker.reload_weights(weights_iterator=weights)
         if not self.on_gpu:
             pack_again(self._model)
         on_loaded()

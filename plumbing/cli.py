@@ -126,6 +126,10 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, correction
         problems.append(f"--rollout.top-p {r.top_p} and --rollout.val-top-p {r.val_top_p} must be in (0, 1]")
     if problems:  # the checks below divide by these numbers
         raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
+    problems = placement_problems(cfg, world_size)
+    world_size -= r.generators  # the ranks that train (all but the separate placement's generators)
+    if problems:
+        raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
     if t.rollout_batch_size % world_size:
         problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} "
                         f"must be divisible by the world size {world_size}")
@@ -224,8 +228,39 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, correction
         problems.append(f"--actor.sequence-parallel-size {sp} must divide the world size {world_size}")
     elif sp > 1 and not cfg.actor.padding_free:
         problems.append(f"--actor.sequence-parallel-size {sp} cuts packed rows: drop --actor.no-padding-free")
-    if world_size % cfg.rollout.tensor_parallel_size:
+    if world_size % cfg.rollout.tensor_parallel_size and not r.generators:
         problems.append(f"--rollout.tensor-parallel-size {cfg.rollout.tensor_parallel_size} "
                         f"must divide the world size {world_size}")
     if problems:
         raise SystemExit("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def placement_problems(cfg, world_size: int) -> list[str]:
+    """What the separate placement (--rollout.generators) and the lag bound (--rollout.max-lag) refuse, with the
+    flag to change (features/generators.py)."""
+    r, t = cfg.rollout, cfg.trainer
+    if r.max_lag < 0 or r.generators < 0:
+        return [f"--rollout.max-lag {r.max_lag} and --rollout.generators {r.generators} must be at least 0"]
+    if not r.generators:
+        return [f"--rollout.max-lag {r.max_lag} needs --rollout.generators N: generation runs ahead of training on "
+                "ranks of its own (the same-GPU asynchronous placement, with partial rollouts, is not built yet)"
+                ] if r.max_lag else []
+    trainers = world_size - r.generators
+    problems = [f"--rollout.generators {r.generators} leaves no rank to train on in a launch of {world_size}"
+                ] if trainers < 1 else []
+    if t.rollout_batch_size % r.generators:
+        problems.append(f"--trainer.rollout-batch-size {t.rollout_batch_size} must be divisible by "
+                        f"--rollout.generators {r.generators}")
+    if r.generators % r.tensor_parallel_size:
+        problems.append(f"--rollout.tensor-parallel-size {r.tensor_parallel_size} must divide "
+                        f"--rollout.generators {r.generators}")
+    if r.on_stale == "drop" and not r.max_lag:
+        problems.append("--rollout.on-stale drop needs --rollout.max-lag 1 or more: at 0 a batch made ahead of the "
+                        "trainer is always stale")
+    refused = {"--rollout.engine hf": r.engine == "hf", "--rollout.staleness": r.staleness,
+               "--actor.offload-while-generating": cfg.actor.offload_while_generating,
+               "--trainer.val-only": t.val_only,
+               "--actor.sequence-parallel-size": cfg.actor.sequence_parallel_size > 1}
+    problems += [f"{flag} with --rollout.generators: not built for the separate placement; drop one of them"
+                 for flag, given in refused.items() if given]
+    return problems

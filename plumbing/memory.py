@@ -50,6 +50,9 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
       its hidden states of the micro-batch, T/N x h_t x 2, and its side of a chunk, c x V x 16 (bf16 logits,
       fp32 log-softmax and probabilities, the student's whole-vocabulary log-softmax beside them)
     vLLM's CUDA graphs (1 GiB), overhead: 2 GiB
+- the separate placement (--rollout.generators): a generator rank holds vLLM's budget while it generates, and its
+  weights, CUDA graphs and the one tensor it receives in the sync; a trainer rank holds no engine: the training phase
+  above without vLLM's graphs, and in the sync its state and the one tensor it gathers and sends (W: the trainers)
 - an evaluation (--trainer.val-only) has no training phase, no reference and no AdamW states: the actor is its
   params, pP/W (LoRA: 2P/W), in the rollout and sync phases
 Design decisions:
@@ -250,7 +253,7 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                     lora: bool = False, enforce_eager: bool = False, sequence_parallel_size: int = 1,
                     evaluation: bool = False, reward_model_params: int = 0,
                     teacher_params: int = 0, teacher_in_loss=None, entropy_grad: bool = False,
-                    engine_awake: bool = False) -> MemoryEstimate:
+                    engine_awake: bool = False, role: str = "") -> MemoryEstimate:
     """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
 
     Example: P = 1e9 on W = 4 GPUs with KL, fp32 AdamW -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
@@ -259,7 +262,9 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     `evaluation`: --trainer.val-only (no training phase, the actor its params only); `reward_model_params`: R;
     `teacher_params`: the distillation teacher's, held as the reward model is; `teacher_in_loss`: its config when its
     divergence is in the loss (--distill.kl reverse or forward); `entropy_grad`: the entropy's gradient in the head's
-    chunks (--algorithm.entropy-coef); `engine_awake`: vLLM stays awake through the update (--rollout.staleness).
+    chunks (--algorithm.entropy-coef); `engine_awake`: vLLM stays awake through the update (--rollout.staleness);
+    `role`: a rank of the separate placement (--rollout.generators), "generator" (vLLM and the tensor it receives, no
+    trainer) or "trainer" (the trainer and the tensor it sends, no engine; `world_size`: the trainer ranks).
     """
     counts = _parameter_counts(model_config)
     P, root, layer = counts.total, counts.root, counts.layer
@@ -320,6 +325,17 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
         training[TEACHER_IN_LOSS] = (2 * _parameter_counts(teacher_in_loss).root
                                      + held * teacher_in_loss.get_text_config().hidden_size * 2
                                      + min(held, CHUNK_TOKENS) * V * 16)
+    if role == "generator":
+        rollout = {**engine_items, OVERHEAD: 2 * GiB}
+        sync = {VLLM_WEIGHTS: 2 * P // tensor_parallel_size, **graphs, STREAMED: 2 * counts.largest,
+                OVERHEAD: 2 * GiB}
+        training = {}
+    elif role == "trainer":
+        rollout, vllm_needs = {}, 0
+        sync = {ACTOR_STATE: on_gpu * state_bytes * P // W, **{k: on_gpu * v for k, v in frozen.items()},
+                **({MERGED: 14 * counts.adapted} if lora and 14 * counts.adapted > 2 * counts.largest
+                   else {STREAMED: 2 * counts.largest}), OVERHEAD: 2 * GiB}
+        training.pop(VLLM_GRAPHS, None)
     assumed = ("linear attention as its kernels keep it (fla, causal-conv1d; the pure-torch fallback keeps several "
                "times more)") if linear_attention_layers(model_config) else ""
     return MemoryEstimate(rollout, sync, training, gpu_bytes, vllm_needs, P, counts.active, assumed)
@@ -390,8 +406,9 @@ def check_memory(model_config, **options) -> MemoryEstimate:
     return e
 
 
-def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> MemoryEstimate:
-    """check_memory with a grpo.py run's settings (`cfg` is its Config), called at start-up on GPU."""
+def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int, role: str = "") -> MemoryEstimate:
+    """check_memory with a grpo.py run's settings (`cfg` is its Config), called at start-up on GPU; `role`: a rank of
+    the separate placement's (estimate_memory), `world_size` the ranks of its kind."""
     reward_model = resolve_model(cfg.reward.model, cfg.trainer.output_dir)  # built already, by grpo.main
     teacher = resolve_model(cfg.distill.teacher, cfg.trainer.output_dir)
     teacher_config = AutoConfig.from_pretrained(teacher) if teacher else None
@@ -414,7 +431,8 @@ def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int) -> M
                         offload_while_generating=cfg.actor.offload_while_generating, lora=cfg.lora.rank > 0,
                         enforce_eager=cfg.rollout.enforce_eager,
                         sequence_parallel_size=cfg.actor.sequence_parallel_size,
-                        entropy_grad=bool(cfg.algorithm.entropy_coef), engine_awake=cfg.rollout.staleness > 0)
+                        entropy_grad=bool(cfg.algorithm.entropy_coef), engine_awake=cfg.rollout.staleness > 0,
+                        role=role)
 
 
 def precision(dtype: str, optimizer: str) -> dict[str, int]:

@@ -509,3 +509,28 @@ def test_the_distillation_preset_fits_eight_gpus_with_its_teacher(tmp_path):
     assert fits.rollout[TEACHER] == 2 * count_parameters(teacher) // 8
     with pytest.raises(SystemExit, match="rollout phase does not fit(.|\n)*distillation teacher"):
         check_run_memory(cfg, str(tmp_path / "student"), world_size=2, gpu_bytes=80 * 2**30)
+
+
+def test_each_kind_of_rank_of_the_separate_placement_has_its_own_budget():
+    """--rollout.generators: a generator rank holds vLLM's budget and, in the sync, its bf16 weights, graphs and the
+    one tensor it receives, nothing of the trainer; a trainer rank (W: the trainers) holds no engine: no vLLM budget
+    or graphs, its sync its state and the one tensor it gathers and sends. A 7B-shaped job whose vLLM takes 80% of
+    the GPU does not fit 4 GPUs colocated (the engine's budget beside the actor's state) and fits 1 generator and 3
+    trainers."""
+    counts = memory._parameter_counts(QWEN_7B)
+    generator = estimate_memory(QWEN_7B, world_size=2, gpu_bytes=GPU_80GB, gradient_checkpointing=True,
+                                role="generator", **RUN)
+    assert generator.rollout == {VLLM: int(0.5 * GPU_80GB), OVERHEAD: 2 * GiB} and generator.training == {}
+    assert generator.sync == {VLLM_WEIGHTS: 2 * counts.total, VLLM_GRAPHS: GiB, STREAMED: 2 * counts.largest,
+                              OVERHEAD: 2 * GiB}
+    trainer = estimate_memory(QWEN_7B, world_size=6, gpu_bytes=GPU_80GB, gradient_checkpointing=True, role="trainer",
+                              **RUN)
+    colocated = estimate_memory(QWEN_7B, world_size=6, gpu_bytes=GPU_80GB, gradient_checkpointing=True, **RUN)
+    assert trainer.rollout == {} and trainer.vllm_needs == 0 and VLLM_GRAPHS not in trainer.training
+    assert trainer.training_total == colocated.training_total - GiB
+    assert set(trainer.sync) == {ACTOR_STATE, REFERENCE, STREAMED, OVERHEAD}
+    greedy = dict(gpu_bytes=GPU_80GB, gradient_checkpointing=True, gpu_memory_utilization=0.8, **RUN)
+    with pytest.raises(SystemExit, match="the rollout phase does not fit"):
+        check_memory(QWEN_7B, world_size=4, **greedy)
+    check_memory(QWEN_7B, world_size=1, role="generator", **greedy)
+    check_memory(QWEN_7B, world_size=3, role="trainer", **greedy)
