@@ -54,6 +54,7 @@ from features.distillation import DistillConfig, Distillation
 from features.env import check_environment, environment_class
 from features.episodes import EpisodeRollout, Episodes, episode_metrics, episodes_of
 from features.generators import GeneratedRollouts, Generators, Link, lost_a_rank, serve
+from features.partial import PartialProducer
 from features.reward_model import RewardModel
 from features.tools import ToolConfig
 from fsdp_utils import (HF_MARKER, TrainingState, check_output_folder, init_distributed,
@@ -67,8 +68,8 @@ from model.source import check_model_exists, check_model_source
 from model.vision import is_vision_language
 from plumbing.balance import balance_over_ranks
 from plumbing.checkpoints import (agree_on_resume_point, hold_run_folder, load_model,
-                                  prepare_run_folder, read_state, resume, save_checkpoint,
-                                  stop_note, trainable_copy)
+                                  prepare_run_folder, rank_states, read_state, resume,
+                                  save_checkpoint, stop_note, trainable_copy)
 from plumbing.cli import check_flags, default_run_name, parse_command_line
 from plumbing.collectives import all_reduce, sum_over_ranks, to_floats
 from plumbing.console import (INTERRUPT_NOTES, RunProgress, parse_quietly, quiet_libraries,
@@ -622,7 +623,8 @@ def main(cfg: Config) -> None:
                 state = {"scheduler": scheduler.state_dict(), **buffer.state_dict(),
                          **kl.state_dict(), "score": metrics.get(cfg.trainer.best_metric),
                          **run.job}
-                save(cfg, run, step, actor, optimizer, state, progress.print, engine_weights)
+                save(cfg, run, step, actor, optimizer, state, progress.print, engine_weights,
+                     buffer.in_flight())
             engine_weights = None  # the copy freed before the next rollout
     finish(cfg, run, actor, processor or tokenizer, progress, trackers, rollout)
 
@@ -706,10 +708,13 @@ def rollout_buffer(cfg: Config, run: Run, rollout, loader: PromptLoader, scoring
     if run.link:  # the separate placement: the groups the generator ranks send
         return GeneratedRollouts(run.link, scoring, cfg.rollout,
                                  resumed["loader"] if resumed else None)
-    buffer = RolloutBuffer(producer_of(cfg, run, rollout, loader, scoring),
-                           max_lag=cfg.rollout.staleness)
+    producer = (PartialProducer(rollout, loader, scoring, cfg.rollout,
+                                cfg.trainer.rollout_batch_size // run.world, run.device)
+                if cfg.rollout.max_lag else producer_of(cfg, run, rollout, loader, scoring))
+    buffer = RolloutBuffer(producer, max_lag=cfg.rollout.max_lag or cfg.rollout.staleness)
     if resumed is not None:
         buffer.load_state_dict(resumed)
+        producer.load_in_flight(rank_states(run.start))
     return buffer
 
 
@@ -759,13 +764,15 @@ def saves_at(cfg: Config, step: int) -> bool:
 
 
 def save(cfg: Config, run: Run, step: int, actor, optimizer, state: dict, say,
-         engine_weights: dict | None) -> None:
+         engine_weights: dict | None, in_flight=None) -> None:
     """Step `step`'s checkpoint, with the trainer's `state` (scheduler, loader, the KL coefficient,
-    the score that ranks it, the job) and the engine's weights where they are not the actor's (a
-    step behind), under the save limit (plumbing/checkpoints.py)."""
+    the score that ranks it, the job), the engine's weights where they are not the actor's (a
+    step behind) and this rank's groups `in_flight` (partial rollouts'), under the save limit
+    (plumbing/checkpoints.py)."""
     save_checkpoint(run.folder, step, actor, optimizer, state,
                     model_only=cfg.trainer.save_model_only, save_limit=cfg.trainer.save_limit,
-                    best_metric=cfg.trainer.best_metric, say=say, engine_weights=engine_weights)
+                    best_metric=cfg.trainer.best_metric, say=say, engine_weights=engine_weights,
+                    rank_state=in_flight)
 
 
 def check_data(cfg: Config, train_set, val_set, world: int) -> None:

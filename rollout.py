@@ -158,7 +158,11 @@ class Response:
     one turn."""
     version: int = 0
     """The weights version that sampled it: the engine's `weights_version` then (the training steps
-    whose weights it held; 0: the checkpoint's). The producer stamps what it hands the trainer."""
+    whose weights it held; 0: the checkpoint's); of a response sampled under several, the oldest.
+    The producer stamps what it hands the trainer."""
+    versions: list[int] | None = None
+    """The weights version of each token, where they differ: a partial rollout's response continued
+    after weight updates (features/partial.py); None: every token's is `version`."""
 
 
 # ==================================================================================================
@@ -266,6 +270,14 @@ class RolloutProducer:
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
 
+    def in_flight(self):
+        """What this rank holds between steps beyond the loader's position (a partial producer's
+        unfinished groups: features/partial.py), for the checkpoint; this producer: nothing."""
+        return None
+
+    def load_in_flight(self, states: list) -> None:
+        """Every rank's `in_flight` of a checkpoint, in rank order; this producer keeps none."""
+
 
 class RolloutBuffer:
     """Where the trainer gets its groups: `get(version)`, the loop's one call for them, hands one
@@ -295,6 +307,10 @@ class RolloutBuffer:
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the rollouts (the producer's position; JSON)."""
         return self.producer.state_dict()
+
+    def in_flight(self):
+        """This rank's groups in the making, for the checkpoint's per-rank files (None: none)."""
+        return self.producer.in_flight()
 
     def load_state_dict(self, state: dict) -> None:
         self.producer.load_state_dict(state)
@@ -533,7 +549,7 @@ class VLLMRollout:
                                "so only sync_weights() can wake it (with the trainer's weights)")
         count, temperature, top_p = sampling(self.cfg, validation, greedy)
         n = n or count
-        requests = [(_vllm_prompt(p), limit) for p, limit in
+        requests = [(vllm_prompt(p), limit) for p, limit in
                     zip(prompts, max_tokens or [self.cfg.max_response_length] * len(prompts))]
         mine = slice(0, len(requests))
         if self.tp_group is not None:
@@ -557,7 +573,7 @@ class VLLMRollout:
                  for o in out.outputs] for out in outputs]
 
 
-def _vllm_prompt(item: PromptItem) -> dict:
+def vllm_prompt(item: PromptItem) -> dict:
     """A vLLM prompt from a dataset item: token ids, plus the images and the videos (frames and
     metadata, which says which frames they are: vLLM samples none itself) when the row has some."""
     prompt, media = {"prompt_token_ids": item["prompt_ids"]}, {}

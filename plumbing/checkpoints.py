@@ -169,11 +169,13 @@ def describe_job(job: dict) -> str:
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, *, model_only: bool,
                     save_limit: int, best_metric: str, say=lambda message: None,
-                    engine_weights: dict | None = None) -> Path:
+                    engine_weights: dict | None = None, rank_state=None) -> Path:
     """Write step `step`'s checkpoint (collective: every rank writes its shards and RNG state), commit it by
     rename, refresh tracker.json, then apply the save limit, and `say` where it went and how long it took.
     `trainer_state` must hold the `score`. `engine_weights`: the trained parameters the rollout engine holds when
-    they are not the model's (an engine a step behind, trainable_copy), for the resume to give it the same. A full
+    they are not the model's (an engine a step behind, trainable_copy), for the resume to give it the same.
+    `rank_state`: what each rank keeps of its own beyond the trainer state (partial rollouts' groups in flight:
+    features/partial.py), pickled to rollouts/rank_R.pt; None: nothing (the same on every rank). A full
     disk ends the run with one message; the unfinished folder is deleted and the earlier checkpoints stay valid."""
     start = time.perf_counter()
     final = step_folder(run_dir, step)
@@ -192,6 +194,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
             state["engine"] = engine_weights
         dcp.save(state, checkpoint_id=tmp / "model_optimizer")
         torch.save(rng_state(), tmp / "rng" / f"rank_{dist.get_rank()}.pt")
+        if rank_state is not None:
+            (tmp / "rollouts").mkdir(exist_ok=True)
+            torch.save(rank_state, tmp / "rollouts" / f"rank_{dist.get_rank()}.pt")
         dist.barrier()  # every shard is on disk
         if dist.get_rank() == 0:
             (tmp / "trainer_state.json").write_text(json.dumps(
@@ -330,6 +335,12 @@ def resume(checkpoint: Path, model, optimizer, scheduler, say) -> dict:
     say(f"resumed from {checkpoint} (step {state['step']}"
         + (", model only: AdamW restarts from zero moments)" if state["model_only"] else ")"))
     return state
+
+
+def rank_states(checkpoint: Path) -> list:
+    """Every rank's `rank_state` of save_checkpoint, in rank order (any number of ranks may read them all)."""
+    files = sorted((Path(checkpoint) / "rollouts").glob("rank_*.pt"), key=lambda f: int(f.stem.split("_")[1]))
+    return [torch.load(f, weights_only=False) for f in files]
 
 
 def load_model(checkpoint: Path, model) -> None:

@@ -241,10 +241,16 @@ def placement_problems(cfg, world_size: int) -> list[str]:
     r, t = cfg.rollout, cfg.trainer
     if r.max_lag < 0 or r.generators < 0:
         return [f"--rollout.max-lag {r.max_lag} and --rollout.generators {r.generators} must be at least 0"]
-    if not r.generators:
-        return [f"--rollout.max-lag {r.max_lag} needs --rollout.generators N: generation runs ahead of training on "
-                "ranks of its own (the same-GPU asynchronous placement, with partial rollouts, is not built yet)"
-                ] if r.max_lag else []
+    if not r.generators:  # the same devices: partial rollouts (features/partial.py)
+        partial = {"--rollout.engine hf": r.engine == "hf", "--rollout.staleness": r.staleness,
+                   "--rollout.env or --tools.functions (episodes)": r.env or cfg.tools.functions,
+                   "--rollout.tensor-parallel-size": r.tensor_parallel_size > 1,
+                   "--algorithm.online-filtering": cfg.algorithm.online_filtering,
+                   "--reward.on-error skip-group": cfg.reward.on_error == "skip-group",
+                   "--algorithm.adv-estimator remax": cfg.algorithm.adv_estimator == "remax"}
+        return [f"{flag} with --rollout.max-lag and no --rollout.generators: partial rollouts do not support it; "
+                "use --rollout.generators N (separate ranks) or drop one of them"
+                for flag, given in partial.items() if given] if r.max_lag else []
     trainers = world_size - r.generators
     problems = [f"--rollout.generators {r.generators} leaves no rank to train on in a launch of {world_size}"
                 ] if trainers < 1 else []

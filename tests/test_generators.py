@@ -115,7 +115,6 @@ def test_a_lag_bound_turns_the_correction_on_unless_refused():
 
 
 @pytest.mark.parametrize("argv, world, message", [
-    (["--rollout.max-lag", "1"], 2, "--rollout.max-lag 1 needs --rollout.generators N"),
     (["--rollout.generators", "2"], 2, "--rollout.generators 2 leaves no rank to train on in a launch of 2"),
     (["--rollout.generators", "3"], 4, "--trainer.rollout-batch-size 32 must be divisible by --rollout.generators 3"),
     (["--rollout.generators", "1", "--rollout.on-stale", "drop"], 3, "--rollout.on-stale drop needs --rollout.max-lag"),
