@@ -316,6 +316,9 @@ class GeneratedRollouts:
         generators made ahead and nobody trained on is made again, and none twice."""
         return {"loader": self.loader}
 
+    def in_flight(self) -> None:
+        """Nothing of the generators' batches goes into the checkpoint (state_dict: why)."""
+
 
 def serve(link: Link, producer: RolloutProducer, steps: range, cfg: RolloutConfig,
           val_items: Callable[[int], list], timer: Callable) -> None:
