@@ -92,8 +92,9 @@ class PartialProducer:
                 response.version = min(response.versions, default=version)
         groups, scores = self.scoring.start([f.item for f in taken],
                                             [f.responses for f in taken], step=version)
-        counts = all_reduce({"dropped": len(dropped), "waited": waited[0] if waiting else 0},
-                            self.device)
+        # nothing waited for where every request ended in the step that made a batch's worth
+        waited_for = waited[0] if waiting and waited else 0
+        counts = all_reduce({"dropped": len(dropped), "waited": waited_for}, self.device)
         return Rollouts(groups, scores, {**self.metrics(taken, version),
                                          "async/dropped_groups": counts["dropped"],
                                          "async/waited_groups": counts["waited"]})

@@ -150,6 +150,15 @@ def test_no_group_is_ever_taken_beyond_the_bound(world_of_one, max_lag):
     assert len(taken) == len(set(taken)) == 60
 
 
+def test_a_step_whose_every_response_ends_at_once_takes_the_due_cohort_and_waits_for_none(world_of_one):
+    """Every response one token long: the first engine step ends them all (the engine has nothing left before the
+    batch is counted); the due cohort {0, 1} is taken and nothing was waited for; the next cohort waits, done."""
+    producer = producer_of(lambda prompt: 1)
+    rollouts = produce(producer, 0)
+    assert prompts(rollouts) == [0, 1] and float(rollouts.metrics["async/waited_groups"]) == 0
+    assert [f.item["prompt_ids"][0] for f in producer.flights] == [2, 3] and all(f.finished for f in producer.flights)
+
+
 def test_drop_never_waits_for_the_due_cohort_and_counts_what_it_drops(world_of_one):
     """--rollout.on-stale drop, bound 1: step 1 stops once 2 groups are finished (0 and 2, in 2 engine steps); prompt
     1, due and unfinished, is dropped (counted, its requests aborted, never taken)."""
