@@ -33,7 +33,11 @@ Parts (one line each on the console, all figures in OUT/gpu_check.json):
    (window_size (127, 0)) and flash-attn (through transformers' flash_attention_forward), each against a dense sdpa
    with the block-diagonal windowed mask; what cannot run here says why; then one output-head chunk (1,024 tokens,
    a 152k vocabulary) forward + backward with the entropy's gradient and without: seconds, peak memory, bytes a logit.
-`--cpu` runs parts 2-6 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here
+7. link: the separate placement's weight path (features/generators.py) on a Qwen2.5-0.5B shape: trainer rank 0's
+   `Link.publish` of one version, every tensor gathered, cast to bf16, viewed as bytes and broadcast over a process
+   group built by hand (NCCL on the GPU: the one path of the placement that needs none of vLLM; here a group of one,
+   so what is timed is the trainer's side of a sync): seconds and bytes.
+`--cpu` runs parts 2-7 at toy sizes on the CPU (tests/test_gpu_check.py), so the script itself is tested here
 (part 1 is the suite's own test_devices.py there).
 Well under ten minutes on one H200, so that a lent GPU's time holds two runs.
 """
@@ -429,6 +433,28 @@ def windowed_attention(device, cpu: bool) -> dict:
 # ---------------------------------------------------------------- parts that launch processes
 
 
+def part_link(args) -> dict:
+    """Trainer rank 0's side of the separate placement's weight sync (module docstring, part 7)."""
+    from datetime import timedelta
+
+    import torch
+
+    from features.generators import Link
+    from fsdp_utils import init_distributed, load_sharded_model, stream_full_weights
+
+    _, _, device = init_distributed()
+    actor = load_sharded_model(args.model, device, trainable=True)
+    link = Link(0, device, timedelta(minutes=5))  # no generator: the weights group is trainer rank 0 alone
+    start = time.perf_counter()
+    link.publish(actor, 1, torch.bfloat16, ())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    sent = sum(t.numel() * t.element_size() for _, t in stream_full_weights(actor, torch.bfloat16, device))
+    return {"publish_s": round(seconds, 3), "gib": round(sent / 2**30, 3),
+            "store_version": int(link.store.get("published"))}
+
+
 def torchrun(args_list: list[str], timeout: int) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29541", *args_list]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -474,12 +500,14 @@ def main():
     parser.add_argument("--out", default=".", help="folder for gpu_check.json")
     parser.add_argument("--cpu", action="store_true", help="toy sizes on the CPU (to test this script)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for the MFU")
-    parser.add_argument("--part", choices=["logprobs", "update", "paths"], help="internal: one part, inside torchrun")
+    parser.add_argument("--part", choices=["logprobs", "update", "paths", "link"],
+                        help="internal: one part, inside torchrun")
     parser.add_argument("--model")
     parser.add_argument("--result")
     args = parser.parse_args()
     if args.part:
-        result = {"logprobs": part_logprobs, "update": part_update, "paths": part_paths}[args.part](args)
+        result = {"logprobs": part_logprobs, "update": part_update, "paths": part_paths,
+                  "link": part_link}[args.part](args)
         Path(args.result).write_text(json.dumps(result))
         return
 
@@ -497,7 +525,9 @@ def main():
                                            random_model("toy" if args.cpu else "1.5b", models / "b", device)),
              "paths": lambda: in_torchrun("paths", args,
                                           random_model("toy" if args.cpu else "0.5b", models / "c", device)),
-             "kernels": lambda: part_kernels(args)}
+             "kernels": lambda: part_kernels(args),
+             "link": lambda: in_torchrun("link", args,
+                                         random_model("toy" if args.cpu else "0.5b", models / "d", device))}
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
     for name, run in parts.items():
         start = time.perf_counter()

@@ -38,3 +38,5 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     assert window["packed_varlen"] == window["flash_attention_2"] == "GPU only"
     chunk = kernels["head_chunk"]
     assert chunk["entropy_with_gradient"]["forward_backward_s"] > 0 and "peak_memory_gib" in chunk["entropy_value_only"]
+    link = report["link"]  # the separate placement's weight path, trainer rank 0 alone
+    assert link["store_version"] == 1 and link["gib"] > 0 and link["publish_s"] > 0
