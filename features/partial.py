@@ -37,15 +37,14 @@ from rollout import Response, RolloutConfig, Rollouts, check_version, vllm_promp
 
 @dataclass
 class Flight:
-    """A prompt's group in the making: its item (data.PromptItem), its n responses so far, which of
-    them are done (ended, or at --rollout.max-response-length), the version its first tokens were
-    sampled with (None: not yet) and the version by which it is due."""
+    """A prompt's group in the making: its item (data.PromptItem), its n responses so far (each
+    token's version in `Response.versions`), which of them are done (ended, or at
+    --rollout.max-response-length), and the version by which it is due."""
 
     item: dict
     responses: list[Response]
     done: list[bool]
     due: int
-    started: int | None = None
     order: int = 0  # admission order: the earlier first among equals
 
     @property
@@ -124,8 +123,6 @@ class PartialProducer:
         llm, requests = engine.llm.llm_engine, {}
         ids = (str(i) for i in itertools.count())
         for flight in self.flights:
-            if flight.started is None:
-                flight.started = version
             for i, response in enumerate(flight.responses):
                 if flight.done[i]:
                     continue
