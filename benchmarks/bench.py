@@ -4,7 +4,8 @@ trainer's update against a bare FSDP2 loop, padding-free against padded, the log
     .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --group-size 8 --max-tokens 512
     .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video, rewards, sp,
-                                                           # correction, curves, env or distill
+                                                           # correction, curves, env, distill, async or
+                                                           # async-curves
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -49,15 +50,25 @@ Each part runs in its own process (two vLLM engines do not share one process wel
 - distill (`--only distill`, about 9 minutes): on-policy distillation against RL from scratch. The default job (RL
   from random weights), then its final model as the teacher of a fresh random student with each signal (`grpo.py
   toy_distill --distill.kl forward / reverse / sampled`): a table of their climbs and the figure docs/distillation.png.
+- async (`--only async`): the separate placement of asynchronous RL (features/generators.py) against the colocated
+  step. The default job for --steps steps, colocated and synchronous on 2 ranks, then on 3 (`--rollout.generators 1`:
+  one generator, two trainers) at `--rollout.max-lag` 0, 1 and 2; with the toy reward, and with it behind a 0.3 s wait a
+  call (benchmarks/slow_reward.py: a remote judge's or a sandbox's latency, which overlap hides even on a CPU's busy
+  cores): steps/s from the wall time between metrics.jsonl's lines (timing/step sums the timed phases, and a plain
+  reward's call is in none), the trainer's wait for rollouts, either side's busy share, the generator's wait, the lag.
+  Then the learning check (`--only async-curves`, about 25 minutes): the whole default job in each placement at 3
+  seeds (--rollout.seed, --data.seed): the climb, the final validation, steps/s; a table and the figure docs/async.png.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from itertools import accumulate
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,21 +332,45 @@ def run_part(part: str, args, torchrun: bool, nproc: int = 1) -> dict:
     return json.loads(out.read_text())
 
 
-def job_metrics(args, preset: str, flags: tuple = ()) -> list[dict]:
-    """Every line of metrics.jsonl of `torchrun --nproc_per_node 2 grpo.py PRESET FLAGS` in a temporary run folder,
-    no final save."""
+def job_metrics(args, preset: str, flags: tuple = (), nproc: int = 2) -> list[dict]:
+    """Every line of metrics.jsonl of `torchrun --nproc_per_node NPROC grpo.py PRESET FLAGS` in a temporary run
+    folder, no final save; each with its wall time (watched_lines)."""
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        "29534", "grpo.py", preset, *flags, "--trainer.output-dir", tmp, "--trainer.experiment-name",
-                        "bench", "--trainer.no-save-final"], check=True, cwd=ROOT, capture_output=not args.verbose)
-        return [json.loads(line) for line in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()]
+        output = None if args.verbose else subprocess.DEVNULL
+        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                                "--master_port", "29534", "grpo.py", preset, *flags, "--trainer.output-dir", tmp,
+                                "--trainer.experiment-name", "bench", "--trainer.no-save-final"],
+                               cwd=ROOT, stdout=output, stderr=output)
+        lines = watched_lines(job, Path(tmp) / "bench" / "metrics.jsonl")
+    if job.returncode:
+        raise subprocess.CalledProcessError(job.returncode, job.args)
+    return lines
 
 
-def job_steps(args, preset: str, flags: tuple = ()) -> list[dict]:
+def watched_lines(job: subprocess.Popen, path: Path) -> list[dict]:
+    """The lines of metrics.jsonl `path` as `job` writes them, each with `bench/wall_seconds`: from the line before
+    (the first: from the launch) to this one, read when the file's size changes (checked every 0.05 s). A step's wall
+    time, in every placement: timing/step is the sum of the phases the trainer times."""
+    lines, size, last = [], 0, time.perf_counter()
+    while True:
+        running = job.poll() is None
+        if path.exists() and path.stat().st_size != size:
+            size = path.stat().st_size
+            text = path.read_text()
+            now = time.perf_counter()
+            for line in text[: text.rfind("\n") + 1].splitlines()[len(lines):]:  # one being written: the next read
+                lines.append({**json.loads(line), "bench/wall_seconds": now - last})
+                last = now
+        if not running:
+            return lines
+        time.sleep(0.05)
+
+
+def job_steps(args, preset: str, flags: tuple = (), nproc: int = 2) -> list[dict]:
     """The metrics of steps 2 to --steps of the job (the first step includes vLLM's one-off warm-up); no
     validation."""
     return job_metrics(args, preset, (*flags, "--trainer.total-steps", str(args.steps), "--trainer.val-freq", "0",
-                                      "--trainer.no-val-before-train"))[1:]
+                                      "--trainer.no-val-before-train"), nproc)[1:]
 
 
 def step_breakdown(args, engine: str) -> dict:
@@ -738,10 +773,105 @@ def distill_curves(args) -> None:
     save_png(figure, ROOT / "docs" / "distillation.png")
 
 
+# ---- asynchronous RL: the separate placement (features/generators.py) against the colocated step -------------------
+
+SEPARATE = ("--rollout.generators", "1", "--rollout.max-lag")
+PLACEMENTS = [("colocated, sync (2 ranks)", 2, ()),
+              ("separate, K=0 (1 generator + 2 trainers)", 3, (*SEPARATE, "0")),
+              ("separate, K=1", 3, (*SEPARATE, "1")),
+              ("separate, K=2", 3, (*SEPARATE, "2"))]  # (name, torchrun's ranks, grpo.py's flags)
+LATENCY = 0.3  # seconds a call of benchmarks/slow_reward.py sleeps
+SLOW_REWARD = ("--reward.function", f"{Path(__file__).with_name('slow_reward.py')}:slow_toy", "--reward.batch",
+               "--reward.kwargs", "seconds", str(LATENCY))
+
+
+def mean_of(lines: list[dict], key: str) -> float | None:
+    """The mean of `key` over the lines that have it (None: none has)."""
+    values = [m[key] for m in lines if key in m]
+    return sum(values) / len(values) if values else None
+
+
+def cell(value: float | None, form: str = ".2f") -> str:
+    """A table's cell: `value` formatted, "-" for none."""
+    return "-" if value is None else format(value, form)
+
+
+def async_row(lines: list[dict]) -> list[str]:
+    """A job's cells (steps 2 to --steps): steps/s from the wall time, the trainer's wait for rollouts, both sides'
+    busy shares, the generators' wait, the lag; "-": the colocated run has no such number."""
+    lag_max = max((m["async/lag_max"] for m in lines if "async/lag_max" in m), default=None)
+    return [cell(1 / mean_of(lines, "bench/wall_seconds"), ".3f"), cell(mean_of(lines, "timing/wait_rollouts")),
+            *(cell(mean_of(lines, f"async/{key}")) for key in ("trainer_busy", "generator_busy",
+                                                                "generator_wait_seconds", "lag_mean")),
+            cell(lag_max, ".0f")]
+
+
+def async_tables(args) -> None:
+    """The default job in each placement, with the toy reward and with the toy reward behind LATENCY seconds of wait
+    (benchmarks/slow_reward.py): what overlapping generation with training gains on this machine."""
+    print(f"The default job in each placement, means over steps 2-{args.steps} (steps/s: from the wall time between "
+          "metrics.jsonl's lines, read as they are written):\n\n| reward | placement | steps/s | "
+          "timing/wait_rollouts, s | trainer busy | generator busy | generator wait, s | lag mean | lag max |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for reward, flags in ((f"toy after a {LATENCY} s wait", SLOW_REWARD), ("toy", ())):
+        for name, nproc, placement in PLACEMENTS:
+            lines = job_steps(args, "toy", (*flags, *placement), nproc)
+            print(f"| {reward} | {name} | " + " | ".join(async_row(lines)) + " |")
+
+
+SEEDS = (1, 2, 3)  # --rollout.seed and --data.seed (--trainer.seed changes nothing of the default job)
+
+
+def seeded_runs(args, nproc: int, flags: tuple) -> list[list[dict]]:
+    """The default job's steps (no checkpoints) at each of SEEDS."""
+    return [[m for m in job_metrics(args, "toy", (*flags, "--trainer.save-freq", "0", "--rollout.seed", str(seed),
+                                                  "--data.seed", str(seed)), nproc) if m["step"] > 0]
+            for seed in SEEDS]
+
+
+def spread(values: list[float]) -> str:
+    """Mean ± the standard deviation over the seeds."""
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def seconds_after_first(lines: list[dict]) -> list[float]:
+    """The wall time at each step's end from step 1's (which holds the engines' start-up)."""
+    return [0.0, *accumulate(m["bench/wall_seconds"] for m in lines[1:])]
+
+
+def async_curves(args) -> None:
+    """The whole default job (120 steps) in each placement at each of SEEDS: the climb, the final validation and the
+    speed; the figure docs/async.png (5-step means: the seeds' mean and their min-max band, by step and by time)."""
+    from scripts.plot import plt, save_png  # pyplot on the Agg backend (no display)
+
+    print(f"\nThe default job (120 steps) in each placement at --rollout.seed and --data.seed {SEEDS} (mean ± "
+          "standard deviation over the seeds; steps/s from the wall time of steps 2-120, validations included):\n\n"
+          "| placement | train reward, step 1 | mean of the last 5 | final validation | steps/s | lag mean |\n"
+          "|---|---|---|---|---|---|")
+    figure, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
+    for name, nproc, flags in PLACEMENTS:
+        runs = seeded_runs(args, nproc, flags)
+        rewards = [[m["train/reward_overall"] for m in lines] for lines in runs]
+        print(f"| {name} | {spread([r[0] for r in rewards])} | {spread([sum(r[-5:]) / 5 for r in rewards])} | "
+              f"{spread([lines[-1]['val/reward_overall'] for lines in runs])} | "
+              f"{spread([1 / mean_of(lines[1:], 'bench/wall_seconds') for lines in runs])} | "
+              f"{cell(mean_of([m for lines in runs for m in lines], 'async/lag_mean'))} |")
+        smooth = list(zip(*(five_step_means(r) for r in rewards)))  # [step][seed]
+        seconds = [statistics.mean(t) for t in zip(*(seconds_after_first(lines) for lines in runs))]
+        for axis, x in ((by_step, [m["step"] for m in runs[0]]), (by_time, seconds)):
+            axis.plot(x, [statistics.mean(s) for s in smooth], label=name)
+            axis.fill_between(x, [min(s) for s in smooth], [max(s) for s in smooth], alpha=0.2)
+    by_step.set(title="train reward (mean of 5 steps; seeds: mean, min-max)", xlabel="step", ylim=(0, 1))
+    by_time.set(title="the same against wall time (seeds' mean)", xlabel="seconds after step 1", ylim=(0, 1))
+    by_step.legend(fontsize=8)
+    figure.tight_layout()
+    save_png(figure, ROOT / "docs" / "async.png")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video", "rewards", "sp", "correction",
-                                           "curves", "env", "distill"],
+                                           "curves", "env", "distill", "async", "async-curves"],
                         help="one part of the benchmark")
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
@@ -786,6 +916,10 @@ def main():
         env_curves(args)
     if args.only in (None, "distill"):
         distill_curves(args)
+    if args.only in (None, "async"):
+        async_tables(args)
+    if args.only in (None, "async-curves"):
+        async_curves(args)
 
 
 if __name__ == "__main__":
