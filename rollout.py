@@ -353,9 +353,11 @@ def start_engine(cfg: RolloutConfig, model_path: str, max_model_len: int, actor,
 
 
 def check_version(engine, version: int) -> None:
-    """The engine holds step `version`'s weights, or (--rollout.staleness) trails it by at most that
-    many steps."""
-    if not version - engine.cfg.staleness <= engine.weights_version <= version:
+    """The engine holds step `version`'s weights, or trails it by at most --rollout.staleness steps
+    (a generator rank's: --rollout.max-lag, features/generators.py)."""
+    cfg = engine.cfg
+    behind = max(cfg.staleness, cfg.max_lag if cfg.generators else 0)
+    if not version - behind <= engine.weights_version <= version:
         raise RuntimeError(f"the rollout engine holds the weights of step {engine.weights_version} "
                            f"but the trainer is at step {version}: sync_weights() was skipped")
 

@@ -4,8 +4,8 @@ trainer's update against a bare FSDP2 loop, padding-free against padded, the log
     .venv/bin/python benchmarks/bench.py                   # tiny model, CPU or GPU, prints Markdown tables
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --group-size 8 --max-tokens 512
     .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video, rewards, sp,
-                                                           # correction, curves, env, distill, async or
-                                                           # async-curves
+                                                           # correction, curves, env, distill, async,
+                                                           # async-curves or partial
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -58,6 +58,10 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   reward's call is in none), the trainer's wait for rollouts, either side's busy share, the generator's wait, the lag.
   Then the learning check (`--only async-curves`, about 25 minutes): the whole default job in each placement at 3
   seeds (--rollout.seed, --data.seed): the climb, the final validation, steps/s; a table and the figure docs/async.png.
+- partial (`--only partial`): partial rollouts on the same devices (features/partial.py) where response lengths
+  spread: the default job on its tiny model with the end token's output row moved so that responses run 1 to 96
+  tokens (long_tailed_model), synchronous and at --rollout.max-lag 1 and 2 on 2 ranks: steps/s, the generation's
+  seconds, the lag, the versions a sample spans and the share continued across an update.
 """
 
 import argparse
@@ -868,10 +872,54 @@ def async_curves(args) -> None:
     save_png(figure, ROOT / "docs" / "async.png")
 
 
+def long_tailed_model(folder: Path) -> Path:
+    """The default job's tiny model (built by plumbing/tiny.py) with its end token's output row moved towards the
+    mean of the final hidden states on the task's prompts: responses of 1 to 96 tokens, half shorter than about 15
+    (a long tail, as reasoning models have), where the random model's nearly all run to the limit."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plumbing.tiny import resolve_model
+    from tasks.toy import rows
+
+    source = resolve_model("tiny:qwen2", str(folder))
+    tokenizer, model = AutoTokenizer.from_pretrained(source), AutoModelForCausalLM.from_pretrained(source)
+    prompts = [row["problem"] for row in rows("train")[:64]]
+    with torch.no_grad():
+        hidden = model.model(**tokenizer(prompts, return_tensors="pt", padding=True)).last_hidden_state
+        direction = hidden.flatten(0, 1).mean(0)
+        head = model.get_output_embeddings().weight
+        head[tokenizer.eos_token_id] += direction / direction.norm() * head.norm(dim=1).mean()
+    path = folder / "tiny-qwen2-long-tail"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def partial_tables(args) -> None:
+    """Partial rollouts (features/partial.py) against the synchronous step where response lengths spread: the default
+    job on long_tailed_model with responses of up to 96 tokens, colocated on 2 ranks, synchronous and at
+    --rollout.max-lag 1 and 2: steps/s, the generation's seconds, the samples continued across an update."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = long_tailed_model(Path(tmp))
+        flags = ("--actor.model-path", str(model), "--rollout.max-response-length", "96")
+        print(f"\nPartial rollouts where lengths spread (1-96 tokens), 2 ranks, means over steps 2-{args.steps}:\n\n"
+              "| placement | steps/s | timing/generate, s | response length | lag mean | versions a sample spans "
+              "| samples continued |\n|---|---|---|---|---|---|---|")
+        for name, lag in (("synchronous", ()), ("partial, K=1", ("--rollout.max-lag", "1")),
+                          ("partial, K=2", ("--rollout.max-lag", "2"))):
+            lines = job_steps(args, "toy", (*flags, *lag))
+            cells = [cell(1 / mean_of(lines, "bench/wall_seconds"), ".3f"), cell(mean_of(lines, "timing/generate")),
+                     cell(mean_of(lines, "train/response_length_mean"), ".1f"),
+                     *(cell(mean_of(lines, f"async/{k}")) for k in ("lag_mean", "versions_spanned",
+                                                                     "continued_samples"))]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video", "rewards", "sp", "correction",
-                                           "curves", "env", "distill", "async", "async-curves"],
+                                           "curves", "env", "distill", "async", "async-curves", "partial"],
                         help="one part of the benchmark")
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
@@ -920,6 +968,8 @@ def main():
         async_tables(args)
     if args.only in (None, "async-curves"):
         async_curves(args)
+    if args.only in (None, "partial"):
+        partial_tables(args)
 
 
 if __name__ == "__main__":

@@ -343,7 +343,10 @@ def serve(link: Link, producer: RolloutProducer, steps: range, cfg: RolloutConfi
             return
         waited_for = time.perf_counter() - started
         phases = timer()
-        rollouts = producer.produce(engine.weights_version, phases)
+        # seeded by the trainer's version the batch is for (wait: within the bound of the weights it
+        # holds), so a batch a version behind draws what --rollout.staleness 1 draws
+        rollouts = producer.produce(oldest + cfg.max_lag if cfg.on_stale == "wait"
+                                    else engine.weights_version, phases)
         rollouts.scores.function_scores(rollouts.groups)  # the trainers get them scored
         link.send(batch, rollouts, engine.weights_version, producer.state_dict()["loader"],
                   {"async/generator_waited": int(waited),

@@ -166,6 +166,25 @@ def test_bound_0_on_separate_ranks_is_the_synchronous_step_bitwise(tmp_path):
 
 
 @pytest.mark.slow
+def test_bound_1_on_separate_ranks_is_an_engine_a_step_behind_bitwise(tmp_path):
+    """One generator and one trainer at bound 1, uncorrected: every batch after the first is sampled with the weights
+    of two steps before (the generator runs one batch ahead and waits for them), seeded by the step it is for; the
+    one-rank run with --rollout.staleness 1 (its engine a step behind, by construction) trains the same, bit for bit,
+    over 8 steps. The bound means exactly that lag."""
+    common = [*FAST, "--trainer.total-steps", "8", "--trainer.output-dir", str(tmp_path), "--trainer.save-freq", "0",
+              "--trainer.val-freq", "0", "--trainer.no-val-before-train"]
+    for name, nproc, flags in (("behind", 1, ["--rollout.staleness", "1"]),
+                               ("apart", 2, ["--rollout.generators", "1", "--rollout.max-lag", "1",
+                                             "--algorithm.no-correct-lag"])):
+        done = launch(nproc, [*common, "--trainer.experiment-name", name, *flags])
+        assert done.returncode == 0, done.stderr[-3000:]
+    behind, apart = metrics(tmp_path / "behind"), metrics(tmp_path / "apart")
+    compared = [(m["step"], k) for m in behind for k in m if not k.startswith(SKIPPED)]
+    assert len(compared) > 200 and [m["async/lag_max"] for m in apart] == [0] + [1] * 7
+    assert [(s, k, behind[s - 1][k]) for s, k in compared] == [(s, k, apart[s - 1][k]) for s, k in compared]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("max_lag", [1, 2])
 def test_three_ranks_stay_within_the_bound_and_resume_after_the_last_batch_trained(tmp_path, max_lag):
     """1 generator, 2 trainers, bound K: no step trains on a sample more than K versions old, and from step 3 on
@@ -196,7 +215,9 @@ calls = []
 
 def reward(sample):
     calls.append(1)
-    if os.environ["RANK"] == "0" and len(calls) == 3 * 32 * 16 + 1:  # the generator, in its 4th batch
+    # the generator (it scores the validations too: 50 prompts before training and at step 2), in its 4th batch,
+    # which it starts once step 3 is trained (after step 2's checkpoint)
+    if os.environ["RANK"] == "0" and len(calls) == 3 * 32 * 16 + 2 * 50 + 1:
         os.kill(os.getpid(), signal.SIGKILL)
     return toy(sample)
 '''
