@@ -115,8 +115,9 @@ class RolloutConfig:
     update while they keep generating. 0: every rank generates, then trains (the same devices)."""
     max_lag: int = 0
     """The lag bound K: a sample reaches the trainer at most K weights versions after the one that
-    sampled it. 0: the synchronous step; K > 0 lets the generators run up to K versions ahead
-    (needs --rollout.generators; turns the rollout correction on: --algorithm.correct-lag)."""
+    sampled it (0: the synchronous step). K > 0 with --rollout.generators: the generators run up to
+    K versions ahead; without: partial rollouts on every rank (features/partial.py). Turns the
+    rollout correction on (--algorithm.correct-lag)."""
     on_stale: Literal["wait", "drop"] = "wait"
     """With --rollout.max-lag: wait: the generators wait for weights new enough (nothing is
     dropped); drop: they never wait for weights, and the trainer drops a batch beyond the bound

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from fsdp_utils import stream_full_weights
 from plumbing.checkpoints import stop_note
 from plumbing.collectives import all_reduce
+from plumbing.metrics import lag_metrics
 from rewards import Group, RoundScores, Scoring
 from rollout import RolloutConfig, RolloutProducer, Rollouts
 
@@ -169,9 +170,9 @@ class Link:
             self.store.set(f"validate/{version}", b"")
         key = f"validation/{version}/{dist.get_rank()}"
         self.wait([key])
-        responses = pickle.loads(self.store.get(key))
+        groups = pickle.loads(self.store.get(key))
         self.store.delete_key(key)
-        return responses
+        return groups
 
     def answer_validation(self, version: int, producer: RolloutProducer,
                           val_items: Callable[[int], list]) -> None:
@@ -192,19 +193,17 @@ class Link:
 
     # ---- what the generators agree on ------------------------------------------------------------
 
-    def seen(self) -> dict[str, int]:
-        """Generators: what every generator has read from the store (an all-reduce of the minimum,
-        so they act on it together): the newest published version (-1: none), the batches the
-        trainers took, whether the trainers are done."""
+    def seen(self, version: int) -> dict[str, int]:
+        """Generators: what every generator has read from the store (one all-reduce of the minimum,
+        so they act on it together): the newest published version (-1: none), whether the trainers
+        asked for a validation with weights `version` (the ones held), the batches they took,
+        whether they are done."""
         read = {"published": int(self.store.get("published")) if self.store.check(["published"])
                 else -1,
+                "asked": int(self.store.check([f"validate/{version}"])),
                 "taken": int(self.store.get("taken")) if self.store.check(["taken"]) else 0,
                 "done": int(self.store.check(["done"]))}
         return {k: int(v) for k, v in all_reduce(read, self.device, dist.ReduceOp.MIN).items()}
-
-    def asked_to_validate(self, version: int) -> bool:
-        return bool(all_reduce({"asked": int(self.store.check([f"validate/{version}"]))},
-                               self.device, dist.ReduceOp.MIN)["asked"])
 
     def finish(self) -> None:
         """Trainers: nothing more comes; the generators end."""
@@ -300,12 +299,9 @@ class GeneratedRollouts:
             dropped += 1
         now = time.perf_counter()
         groups = [g for part in parts for g in part["groups"]]
-        lags = [version - r.version for g in groups for r in g.responses]
-        totals = all_reduce({"lag": sum(lags), "samples": len(lags)}, self.link.device)
-        metrics = {**parts[0]["metrics"], "async/lag_mean": totals["lag"] / totals["samples"],
-                   "async/lag_max": all_reduce({"max": max(lags)}, self.link.device,
-                                               dist.ReduceOp.MAX)["max"],
-                   "async/dropped_batches": dropped}
+        metrics = {**parts[0]["metrics"], "async/dropped_batches": dropped,
+                   **lag_metrics([r for g in groups for r in g.responses], version,
+                                 self.link.device)}
         if self.returned is not None:  # the share of the time since the last batch spent training
             metrics["async/trainer_busy"] = (called - self.returned) / (now - self.returned)
         self.returned = now
@@ -333,8 +329,8 @@ def serve(link: Link, producer: RolloutProducer, steps: range, cfg: RolloutConfi
     batch = 0
     # wait: one batch a step, none dropped; drop: batches until the trainers are done
     while cfg.on_stale == "drop" or batch < len(steps):
-        # the oldest weights batch `batch` may hold
-        oldest = steps.start + batch - 1 - cfg.max_lag
+        step_version = steps.start + batch - 1  # the trainer's version at the batch's step
+        oldest = step_version - cfg.max_lag  # the oldest weights the batch may be sampled with
         started = time.perf_counter()
         waited, seen = idle(link, producer, val_items, lambda seen: (
             engine.weights_version >= oldest if cfg.on_stale == "wait"
@@ -345,7 +341,7 @@ def serve(link: Link, producer: RolloutProducer, steps: range, cfg: RolloutConfi
         phases = timer()
         # seeded by the trainer's version the batch is for (wait: within the bound of the weights it
         # holds), so a batch a version behind draws what --rollout.staleness 1 draws
-        rollouts = producer.produce(oldest + cfg.max_lag if cfg.on_stale == "wait"
+        rollouts = producer.produce(step_version if cfg.on_stale == "wait"
                                     else engine.weights_version, phases)
         rollouts.scores.function_scores(rollouts.groups)  # the trainers get them scored
         link.send(batch, rollouts, engine.weights_version, producer.state_dict()["loader"],
@@ -364,7 +360,7 @@ def idle(link: Link, producer: RolloutProducer, val_items: Callable[[int], list]
     Link.seen); whether they had to wait (ready was false when they came), and the last `seen`."""
     engine, waited = producer.engine, False
     while True:
-        seen = link.seen()
+        seen = link.seen(engine.weights_version)
         if seen["published"] > engine.weights_version:
             # the trainers publish every version in turn and wait for the generators to take it
             stream = link.weights()
@@ -372,7 +368,7 @@ def idle(link: Link, producer: RolloutProducer, val_items: Callable[[int], list]
             for _ in stream:  # whatever the engine left unread, so the broadcasts stay in step
                 pass
             continue
-        if link.asked_to_validate(engine.weights_version):
+        if seen["asked"]:
             link.answer_validation(engine.weights_version, producer, val_items)
             continue
         if ready(seen):

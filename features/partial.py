@@ -31,11 +31,12 @@ import torch.distributed as dist
 from data import PromptLoader
 from plumbing.collectives import all_reduce
 from plumbing.engine_env import sampling_rng
+from plumbing.metrics import lag_metrics
 from rewards import Scoring
 from rollout import Response, RolloutConfig, Rollouts, check_version, vllm_prompt
 
 
-@dataclass
+@dataclass(eq=False)  # each flight is itself: `in` a list compares identities, not token lists
 class Flight:
     """A prompt's group in the making: its item (data.PromptItem), its n responses so far (each
     token's version in `Response.versions`), which of them are done (ended, or at
@@ -72,13 +73,12 @@ class PartialProducer:
         """This rank's `quota` groups for the trainer at weights `version`, none started more than
         `max_lag` versions before it; `timer`: plumbing.metrics.PhaseTimer."""
         self.admit(version)
-        waiting = self.cfg.on_stale == "wait"
-        due, waited = [f for f in self.flights if f.due <= version], []
+        waiting, waited = self.cfg.on_stale == "wait", []
 
-        def enough() -> bool:  # a batch's worth finished, and (wait) the due cohort
-            if not waited and sum(f.finished for f in self.flights) >= self.quota:
-                waited.append(sum(not f.finished for f in due))  # what the step waits for
-            return bool(waited) and (not waiting or all(f.finished for f in due))
+        def enough(finished: int, due_left: int) -> bool:  # a batch's worth, and (wait) the due
+            if not waited and finished >= self.quota:
+                waited.append(due_left)  # what the step waits for
+            return bool(waited) and (not waiting or not due_left)
 
         with timer("generate"):
             self.sample(version, enough)
@@ -113,8 +113,9 @@ class PartialProducer:
 
     def sample(self, version: int, enough) -> None:
         """Every unfinished response continued with the engine's weights (`version`), one request
-        each, until `enough()` or nothing is left; the unfinished requests then aborted, their
-        tokens kept."""
+        each, until `enough(finished groups, unfinished groups due now)` or nothing is left (both
+        counted as requests end, not recounted every engine step); the unfinished requests then
+        aborted, their tokens kept."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -134,8 +135,10 @@ class PartialProducer:
                     n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     max_tokens=cfg.max_response_length - len(response.token_ids), logprobs=0,
                     logit_bias=engine.logit_bias or None, output_kind=RequestOutputKind.DELTA))
+        finished = sum(f.finished for f in self.flights)
+        due_left = sum(not f.finished for f in self.flights if f.due <= version)
         with sampling_rng(engine.seeds.next(version, "partial"), engine.device):
-            while llm.has_unfinished_requests() and not enough():
+            while llm.has_unfinished_requests() and not enough(finished, due_left):
                 for output in llm.step():
                     flight, i = requests[output.request_id]
                     response, sampled = flight.responses[i], output.outputs[0]
@@ -146,22 +149,21 @@ class PartialProducer:
                     if output.finished:
                         flight.done[i] = True
                         response.truncated = sampled.finish_reason == "length"
+                        if flight.finished:
+                            finished += 1
+                            due_left -= flight.due <= version
         llm.abort_request([r for r, (flight, i) in requests.items() if not flight.done[i]])
 
     def metrics(self, taken: list[Flight], version: int) -> dict:
         """The lag of each sample (its oldest token's), the versions a sample spans, the responses
         continued across a weight update, the groups in flight; over all ranks."""
         responses = [r for f in taken for r in f.responses]
-        totals = all_reduce({"lag": sum(version - r.version for r in responses),
-                             "spans": sum(len(set(r.versions)) for r in responses),
+        totals = all_reduce({"spans": sum(len(set(r.versions)) for r in responses),
                              "continued": sum(len(set(r.versions)) > 1 for r in responses),
                              "samples": len(responses), "in_flight": len(self.flights)},
                             self.device)
         samples = totals["samples"].clamp(min=1)
-        return {"async/lag_mean": totals["lag"] / samples,
-                "async/lag_max": all_reduce({"max": max((version - r.version for r in responses),
-                                                        default=0)},
-                                            self.device, dist.ReduceOp.MAX)["max"],
+        return {**lag_metrics(responses, version, self.device),
                 "async/versions_spanned": totals["spans"] / samples,
                 "async/continued_samples": totals["continued"] / samples,
                 "async/in_flight_groups": totals["in_flight"]}

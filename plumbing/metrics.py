@@ -83,6 +83,15 @@ def correction_metrics(batch, cap: float | None) -> dict[str, torch.Tensor]:
     return metrics
 
 
+def lag_metrics(responses: list, version: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """How many weights versions the trainer at `version` is ahead of the ones that sampled `responses` (each its
+    oldest token's, rollout.Response.version), over all ranks: async/lag_mean and async/lag_max."""
+    lags = [version - r.version for r in responses]
+    totals = all_reduce({"lag": sum(lags), "samples": len(lags)}, device)
+    return {"async/lag_mean": totals["lag"] / totals["samples"].clamp(min=1),
+            "async/lag_max": all_reduce({"max": max(lags, default=0)}, device, dist.ReduceOp.MAX)["max"]}
+
+
 def score_metrics(prefix: str, groups: list, device: torch.device) -> dict[str, torch.Tensor]:
     """Mean/std of every reward key and response-length stats over all ranks (`groups`: rewards.Group records)."""
     scores = [s for g in groups for s in g.scores]
