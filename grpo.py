@@ -63,6 +63,7 @@ from logprobs import (Batch, HeadColumn, batch_of, batched_logprobs, micro_batch
                       response_outputs)
 from model.families import attention_line
 from model.lora import LoRAConfig, adapters_off
+from model.router_replay import RouterReplay, check_replay_flags
 from model.sequence_parallel import NO_SP, SequenceParallel
 from model.source import check_model_exists, check_model_source
 from model.vision import is_vision_language
@@ -134,6 +135,9 @@ class ActorConfig:
     can use that memory."""
     freeze_vision_tower: bool = False
     """Vision-language models: train the language model only; the vision tower keeps its weights."""
+    router_replay: bool = False
+    """Mixtures of experts: the trainer's forwards send each token to the experts the engine chose
+    for it (R3), gate weights from the trainer's router (model/router_replay.py)."""
 
 
 @dataclass
@@ -205,10 +209,12 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self):
-        """Samples that may lag the trainer are corrected unless --algorithm.no-correct-lag."""
+        """Samples that may lag the trainer are corrected unless --algorithm.no-correct-lag; the
+        engines return the routing where the trainer replays it."""
         algo = self.algorithm
         if self.rollout.max_lag and algo.correct_lag and algo.rollout_correction == "none":
             algo.rollout_correction = "token_truncate"
+        self.rollout.routed_experts = self.actor.router_replay
 
 
 # ==================================================================================================
@@ -368,6 +374,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     algorithms.py's registries)."""
     check_flags(cfg, world_size, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
                 ENTROPY_METHODS, AdvantageInputs)
+    check_replay_flags(cfg)
 
 
 @dataclass
@@ -518,6 +525,7 @@ def main(cfg: Config) -> None:
     reward_model = RewardModel.start(cfg, run, tokenizer, processor)  # None without
     scoring = scoring_of(cfg, tokenizer, reward_model)  # the reward function, then the model
     distill = Distillation.start(cfg, run, tokenizer)  # on-policy distillation; None without
+    replay = RouterReplay.start(cfg, actor, ref)  # the engine's experts replayed; None without
     frozen = [m for m in (ref, reward_model and reward_model.model, distill and distill.teacher)
               if m is not None]
     training_state = TrainingState([actor, *frozen], optimizer, device,
@@ -526,7 +534,8 @@ def main(cfg: Config) -> None:
         rollout = Generators.start(run.link, actor, run.first_step)
     else:
         rollout = episode_engine(cfg, run, start_engine(
-            cfg.rollout, run.model_path, max_model_len(cfg), actor, training_state, start),
+            cfg.rollout, run.model_path, max_model_len(cfg), actor, training_state, start,
+            cfg.lora),
             episodes, tokenizer, processor)
     if cfg.trainer.val_only:
         return evaluate(cfg, run, rollout, val_set, val_items, scoring)
@@ -598,6 +607,7 @@ def main(cfg: Config) -> None:
             if no_old_pass:
                 batch.old_logprobs = first_logprobs
             metrics.update(update_metrics)
+            metrics.update(replay.metrics() if replay else {})
             metrics.update(logprob_metrics(batch))
 
             # ---- sync the engine -----------------------------------------------------------------
@@ -605,6 +615,7 @@ def main(cfg: Config) -> None:
             with timer("sync"):
                 if not cfg.rollout.staleness:
                     rollout.sync_weights(actor, version=step, on_loaded=training_state.to_host)
+            metrics["sync/bytes"] = rollout.sync_bytes  # the model, or the adapters (--lora.sync)
 
             # ---- validate, log, save -------------------------------------------------------------
             metrics.update(score_metrics("train", groups, device))

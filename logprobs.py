@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_utils import reshard
 from model.lora import base_of
+from model.router_replay import routing_inputs
 from model.sequence_parallel import NO_SP, SequenceParallel
 from model.vision import (PLACEHOLDER_BIAS, concat, expand, family, is_vision_language,
                           placeholder_token_ids, repeat, vision_inputs)
@@ -53,10 +54,10 @@ from plumbing.memory import CHUNK_TOKENS  # the output head's chunk, sized by th
 SEQUENCE, RESPONSE, ROW = "sequence", "response", "row"
 
 
-def spans(what: str, dtype: torch.dtype = torch.float32):
+def spans(what: str, dtype: torch.dtype | None = torch.float32):
     """A Batch field spanning `what`: its rows are cut to that length when a row travels (Batch.row)
     and padded again when rows become a batch (Batch.from_rows): token ids with the pad id, numbers
-    with 0."""
+    with 0. dtype None: the rows' own (and their trailing dimensions: [B, T, ...])."""
     return field(default=None, metadata={"spans": what, "dtype": dtype})
 
 
@@ -88,6 +89,8 @@ class Batch:
     advantages: torch.Tensor | None = spans(RESPONSE)  # [B, R]
     # the rollout correction's (None: 1; 0: masked out)
     rollout_weights: torch.Tensor | None = spans(RESPONSE)  # [B, R]
+    # the engine's experts of each token in each layer (model/router_replay.py)
+    routed_experts: torch.Tensor | None = spans(SEQUENCE, None)  # [B, T, layers, k]
 
     def __len__(self) -> int:
         return len(self.prompt_lengths)
@@ -146,8 +149,10 @@ class Batch:
             elif what == ROW:
                 values[f.name] = [r[f.name] for r in rows]
             else:
-                padded = torch.full((len(rows), width[what]), pad_id if dtype == torch.long else 0,
-                                    dtype=dtype)
+                first = torch.as_tensor(next(r[f.name] for r in rows if r[f.name] is not None))
+                dtype = dtype or first.dtype
+                padded = torch.full((len(rows), width[what], *first.shape[1:]),
+                                    pad_id if dtype == torch.long else 0, dtype=dtype)
                 for b, r in enumerate(rows):
                     padded[b, : len(r[f.name])] = torch.as_tensor(r[f.name], dtype=dtype)
                 values[f.name] = padded.to(device)
@@ -157,20 +162,23 @@ class Batch:
 def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
                rollout_logprobs: list[list[float]] | None = None,
                device: torch.device | str = "cpu", vision: list[dict | None] | None = None,
-               response_masks: list[list[int]] | None = None) -> Batch:
+               response_masks: list[list[int]] | None = None,
+               routed_experts: list[torch.Tensor] | None = None) -> Batch:
     """The batch of [prompt | response] sequences.
 
     `rollout_logprobs`: the engine's log-prob of each sampled token; `vision`: each row's image
     tensors (vision.expand_images; None for a text row), moved with each micro-batch;
     `response_masks`: 1 on the response tokens the losses count, 0 on the holes (a tool's turn);
-    None: every response token counts.
+    None: every response token counts. `routed_experts`: each row's routing record, [prompt +
+    response, layers, k] (model/router_replay.py).
     """
     rows = [{"input_ids": p + r, "responses": r,
              "response_mask": response_masks[b] if response_masks else [1] * len(r),
              "prompt_lengths": len(p), "response_lengths": len(r),
              "rollout_logprobs": rollout_logprobs[b] if rollout_logprobs else None,
              "vision": vision[b] if vision else None, "old_logprobs": None, "ref_logprobs": None,
-             "advantages": None, "rollout_weights": None}
+             "advantages": None, "rollout_weights": None,
+             "routed_experts": routed_experts[b] if routed_experts else None}
             for b, (p, r) in enumerate(zip(prompt_ids, response_ids))]
     return Batch.from_rows(rows, pad_id, device)
 
@@ -180,7 +188,7 @@ def batch_of(groups: list, processor, pad_id: int, device: torch.device) -> Batc
     row per response, after its prompt; every image and video placeholder expanded to its tokens
     (vision.expand: the prompt's once per group, a tool's images in the response), and the row's
     pixel tensors, the prompt's then the response's."""
-    prompts, responses, masks, engine_logprobs, vision = [], [], [], [], []
+    prompts, responses, masks, engine_logprobs, vision, routing = [], [], [], [], [], []
     for group in groups:
         item = group.item
         (prompt,), _, prompt_pixels = expand(processor, [item["prompt_ids"]], item["images"],
@@ -192,8 +200,10 @@ def batch_of(groups: list, processor, pad_id: int, device: torch.device) -> Batc
             masks.append(repeat(r.mask if r.mask is not None else [1] * len(r.token_ids), repeats))
             engine_logprobs.append(repeat(r.logprobs, repeats))
             vision.append(concat(prompt_pixels, response_pixels))
+            routing.append(r.routed_experts)
     return make_batch(prompts, responses, pad_id, engine_logprobs, device,
-                      vision if processor else None, masks)
+                      vision if processor else None, masks,
+                      routing if routing and routing[0] is not None else None)
 
 
 # ---- micro-batches -------------------------------------------------------------------------------
@@ -326,7 +336,9 @@ def forward_inputs(model, batch: Batch, padding_free: bool, sp: SequenceParallel
         positions = torch.cat([positions[None], rope[:, None]])  # [4, 1, S]
     elif images:  # padded, with images or videos: the model computes its own 3-D positions
         positions = None
-    inputs = {"input_ids": input_ids, **images, **packing}
+    inputs = {"input_ids": input_ids, **images, **packing,
+              **routing_inputs(model, batch.routed_experts, T,
+                               on_device["tokens"] if padding_free else None)}
     if positions is not None:
         inputs["position_ids"] = positions
     return inputs, on_device["index"], on_device["slots"]

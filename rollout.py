@@ -34,30 +34,32 @@ Design decisions:
   say), a rerun (or a resumed run) draws the same samples, and the trainer's own RNG is left as it
   was.
 - LoRA (model/lora.py): the engine gets the adapted weights merged, W + (alpha / rank) B A, in the
-  same in-place stream as a full-parameter run's weights (fsdp_utils.stream_full_weights), rather
-  than the adapter through vLLM's LoRA support. Correct by construction (the engine holds exactly
-  the adapted model; the gap stays at the full-parameter level) and free of a merge/unmerge cycle
-  on the trainer's weights; vLLM's LoRA path would need its adapter saved and reloaded each step
-  and LoRA kernels in every forward. Not measured against each other: the CPU build cannot show the
-  GPU trade-off (shipping a small adapter against streaming the whole model), which favours vLLM's
-  path for large models.
+  same in-place stream as a full-parameter run's weights (fsdp_utils.stream_full_weights), or, with
+  --lora.sync adapter, only the adapters, loaded into vLLM's LoRA support in memory
+  (lora.EngineAdapter) over the base it keeps. Either way the engine holds exactly the adapted
+  model; the bytes and seconds of each are measured in docs/lora-and-merge.md.
 """
 
 import gc
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import tyro
 from transformers import AutoConfig
 
 from algorithms import ADVANTAGE_ESTIMATORS, AlgorithmConfig, keep_group
 from data import PromptItem, PromptLoader
 from fsdp_utils import gathered, stream_full_weights, weights_replaced
 from model.families import engine_dtype, kept_in_fp32, pack_again, tie_overrides
+from model.lora import EngineAdapter, LoRAConfig, adapter_weights, engine_lora_args
+from model.router_replay import (EngineCapture, Recording, completion_of, engine_rows,
+                                 mixture_shape)
 from model.vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language,
                           placeholder_token_ids, vision_inputs)
 from plumbing.checkpoints import load_engine_weights, read_state
@@ -138,6 +140,9 @@ class RolloutConfig:
     max_env_errors: int = 3
     """Episodes: failed calls of the environment (raised, timed out, answered with no observation; a
     tool call that failed) that end an episode (0: none)."""
+    routed_experts: tyro.conf.Suppress[bool] = False
+    """Return each response's routing (Response.routed_experts): set by --actor.router-replay
+    (grpo.Config), not a flag of its own."""
 
 
 @dataclass
@@ -164,6 +169,10 @@ class Response:
     versions: list[int] | None = None
     """The weights version of each token, where they differ: a partial rollout's response continued
     after weight updates (features/partial.py); None: every token's is `version`."""
+    routed_experts: torch.Tensor | None = None
+    """The experts the engine's router chose for each token of the prompt and the response, in
+    each layer [prompt + response tokens, layers, k], as model/router_replay.py records them
+    (expert + 1; 0: none, as for the last token); None without --actor.router-replay."""
 
 
 # ==================================================================================================
@@ -323,16 +332,20 @@ class RolloutBuffer:
 
 
 def build_rollout(cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device,
-                  model):
+                  model, lora: LoRAConfig | None = None):
     """The engine `cfg.engine` names; `model` is the trainer's FSDP2 model (the hf engine generates
-    with it)."""
+    with it; vLLM with --lora.sync adapter takes its adapters' settings)."""
     if cfg.engine == "hf":
         return HFRollout(cfg, model, model_path, device)
-    return VLLMRollout(cfg, model_path, max_model_len, device)
+    lora_args = engine_lora_args(lora, model, device)  # {}: no LoRA in vLLM
+    engine = VLLMRollout(cfg, model_path, max_model_len, device, lora_args)
+    if lora_args:
+        engine.adapter = EngineAdapter(engine._worker, model, engine.dtype, device)
+    return engine
 
 
 def start_engine(cfg: RolloutConfig, model_path: str, max_model_len: int, actor, state,
-                 checkpoint: Path | None):
+                 checkpoint: Path | None, lora: LoRAConfig | None = None):
     """The engine, started with the training state (fsdp_utils.TrainingState) in host memory when it
     is offloaded while generating; a resumed run's engine then gets the resumed weights: it sleeps
     (GPU) before the state comes back to the device for the stream, which moves the state out again
@@ -341,7 +354,7 @@ def start_engine(cfg: RolloutConfig, model_path: str, max_model_len: int, actor,
     An engine a step behind (--rollout.staleness) gets the weights of the step before the
     checkpoint's, which the checkpoint keeps: the resumed run samples as the straight one did."""
     state.to_host()
-    rollout = build_rollout(cfg, model_path, max_model_len, state.device, actor)
+    rollout = build_rollout(cfg, model_path, max_model_len, state.device, actor, lora)
     if checkpoint is not None:
         step = read_state(checkpoint)["step"]
         behind = load_engine_weights(checkpoint, actor) if cfg.staleness else None
@@ -391,7 +404,9 @@ class VLLMRollout:
     - Sleep level 2 between rollouts (GPU): it frees the weights and the KV cache for training.
       Level 1 would copy the weights to pinned host memory and back every step, although every sync
       overwrites them; level 2 keeps only the buffers (rotary caches), which vLLM saves and restores
-      itself. The CPU platform refuses sleep mode, so there the engine simply stays resident.
+      itself. With --lora.sync adapter a sync brings only the adapters, so the base must survive the
+      sleep: level 1 there. The CPU platform refuses sleep mode, so there the engine simply stays
+      resident.
     - Weight sync streams one full tensor at a time into the worker's in-place `reload_weights` (no
       disk round trip, no second copy of the model). On CPU, vLLM pre-packs weights for its GEMMs,
       and a reload misses two of those copies, so both are packed again after every sync: the
@@ -404,7 +419,7 @@ class VLLMRollout:
       (model/families.py, `tie_overrides`).
     - Prefix caching on: the n samples of a prompt share one prefill. Its cache is reset at every
       sync, so no KV computed with old weights is ever reused; so is the encoder cache (vision
-      embeddings).
+      embeddings). Off for router replay on a CPU (model/router_replay.py says why).
     - No multimodal processor cache (by default vLLM caches processed images per engine, several GiB
       of them): an image comes back only next epoch, so the cache would only grow, step after step.
     - CUDA graphs on GPU unless `--rollout.enforce-eager` (decoding is launch-bound for small
@@ -423,10 +438,10 @@ class VLLMRollout:
     """
 
     def __init__(self, cfg: RolloutConfig, model_path: str, max_model_len: int,
-                 device: torch.device):
+                 device: torch.device, lora: dict | None = None):
         from vllm import LLM
 
-        self.cfg = cfg
+        self.cfg, self.lora = cfg, lora  # lora: the engine's LoRA arguments (model/lora.py)
         # plumbing/console.py sets vLLM's log level
         show_progress = logging.getLogger("vllm").isEnabledFor(logging.INFO)
         self.on_gpu = device.type == "cuda"
@@ -446,11 +461,14 @@ class VLLMRollout:
             enable_sleep_mode=self.on_gpu,
             enforce_eager=cfg.enforce_eager or not self.on_gpu,
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
+            # router replay on a CPU sees only the prompt tokens it runs (model/router_replay.py)
+            enable_prefix_caching=self.on_gpu or not cfg.routed_experts,
+            enable_return_routed_experts=self.on_gpu and cfg.routed_experts,
             mm_processor_cache_gb=0,
             hf_overrides=tie_overrides(config),
             use_tqdm_on_load=show_progress,
             **memory,
+            **(lora or {}),
         )
         # Ranks sharing an engine (tensor parallelism) must submit identical requests: they pool
         # their prompts.
@@ -464,9 +482,15 @@ class VLLMRollout:
         self.logit_bias = {t: PLACEHOLDER_BIAS for t in placeholder_token_ids(hf_config)}
         self.seeds, self.device = SeedStream(cfg.seed, engine_index), device
         self.fp32 = kept_in_fp32(self._model, self.on_gpu, self.dtype)
+        # --actor.router-replay: (layers, experts, k), and on a CPU the routers' reports
+        self.mixture = mixture_shape(config)
+        self.capture = (EngineCapture(self._worker, self.mixture[0], self.mixture[2])
+                        if cfg.routed_experts and not self.on_gpu else None)
         # the training step whose weights the engine holds (0: the checkpoint)
         self.weights_version = 0
         self.asleep = False  # awake with the checkpoint's weights until the first rollout is done
+        self.adapter: EngineAdapter | None = None  # --lora.sync adapter: build_rollout sets it
+        self.sync_bytes = 0  # what the last sync brought in
 
     @property
     def _model(self) -> torch.nn.Module:
@@ -478,11 +502,17 @@ class VLLMRollout:
         # path of the pinned vLLM's engine, docs/install.md: check it when upgrading vLLM).
         return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
 
+    @property
+    def lora_request(self):
+        """What each request names to be generated with the trained adapter (--lora.sync adapter);
+        None: the engine's own weights."""
+        return self.adapter and self.adapter.request
+
     def sleep(self) -> None:
         """Free the GPU for training: drop the weights and the KV cache (no-op on CPU). Only a sync
         wakes it."""
         if self.on_gpu and not self.asleep:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.adapter else 2)
             self.asleep = True
 
     def shutdown(self) -> None:
@@ -508,20 +538,26 @@ class VLLMRollout:
         it would be too late.
 
         Collective: every rank streams the whole model (fsdp_utils.stream_full_weights gathers and
-        casts one parameter at a time).
+        casts one parameter at a time), or its adapters (--lora.sync adapter).
         """
-        self.load_weights(stream_full_weights(model, self.dtype, self.device, self.fp32), version,
-                          on_loaded)
+        stream = (adapter_weights(model, self.dtype, self.device) if self.adapter else
+                  stream_full_weights(model, self.dtype, self.device, self.fp32))
+        self.load_weights(stream, version, on_loaded)
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], version: int,
                      on_loaded: Callable[[], None] = lambda: None) -> None:
         """sync_weights from a stream of (HF name, full tensor in the engine's dtype): the trainer's
-        own, or one received from the trainer ranks (features/generators.py)."""
+        own, or one received from the trainer ranks (features/generators.py); the adapters' with
+        --lora.sync adapter (their names as peft saves them)."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        self._worker.reload_weights(weights_iterator=weights)
-        if not self.on_gpu:
-            pack_again(self._model)
+        if self.adapter:
+            self.sync_bytes = self.adapter.load(weights)
+        else:
+            self.sync_bytes = 0
+            self._worker.reload_weights(weights_iterator=self._counted(weights))
+            if not self.on_gpu:
+                pack_again(self._model)
         on_loaded()
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
@@ -531,6 +567,11 @@ class VLLMRollout:
         # "Encoder cache miss"
         self.llm.llm_engine.reset_encoder_cache()
         self.weights_version = version
+
+    def _counted(self, weights: Iterator[tuple[str, torch.Tensor]]):
+        for name, tensor in weights:
+            self.sync_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
 
     def generate(self, prompts: list[PromptItem], version: int, validation: bool = False,
                  greedy: bool = False, n: int | None = None,
@@ -569,11 +610,24 @@ class VLLMRollout:
                   for _, limit in requests]
         with sampling_rng(self.seeds.next(version, call_purpose(validation, greedy)), self.device):
             outputs = self.llm.generate([prompt for prompt, _ in requests], params,
-                                        use_tqdm=False)[mine]
+                                        use_tqdm=False, lora_request=self.lora_request)[mine]
+        captured = {completion_of(r): rows for r, rows in (self.capture.take() if self.capture
+                                                             else {}).items()}
         return [[Response(token_ids=list(o.token_ids),
                           logprobs=[next(iter(step.values())).logprob for step in o.logprobs],
-                          truncated=o.finish_reason == "length")
+                          truncated=o.finish_reason == "length",
+                          routed_experts=self._routing(out, o, captured))
                  for o in out.outputs] for out in outputs]
+
+    def _routing(self, out, sample, captured: dict) -> torch.Tensor | None:
+        """A sample's routing record (router_replay.engine_rows) with --actor.router-replay: vLLM's
+        own output on GPUs, the capture's on a CPU (by (request id, sample index))."""
+        if not self.cfg.routed_experts:
+            return None
+        experts = (sample.routed_experts if self.on_gpu
+                   else captured[(out.request_id, sample.index)])
+        return engine_rows(experts, len(out.prompt_token_ids) + len(sample.token_ids),
+                           self.mixture[1])
 
 
 def vllm_prompt(item: PromptItem) -> dict:
@@ -637,7 +691,9 @@ class HFRollout:
             with torch.no_grad(), gathered(model):
                 model(input_ids=torch.full((1, 1), self.pad_id, device=device))
         self.seeds = SeedStream(cfg.seed, dist.get_rank())
+        self.mixture = mixture_shape(model.config)  # (layers, experts, k): router replay's
         self.weights_version = 0
+        self.sync_bytes = 0  # nothing moves: the engine is the trainer's model
 
     def sleep(self) -> None:
         """Nothing to free: the engine is the trainer's model."""
@@ -691,11 +747,14 @@ class HFRollout:
                                       top_p=1.0, repetition_penalty=1.0,
                                       eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
             self.model.eval()
+            # --actor.router-replay: what the routers chose
+            routing = Recording(self.model, self.mixture[0])
             try:
-                sequences = self.model.generate(
-                    input_ids=input_ids, generation_config=config, **images,
-                    attention_mask=attention_mask.to(self.device),
-                    logits_processor=LogitsProcessorList([recorder]), synced_gpus=False)
+                with routing if self.cfg.routed_experts else nullcontext():
+                    sequences = self.model.generate(
+                        input_ids=input_ids, generation_config=config, **images,
+                        attention_mask=attention_mask.to(self.device),
+                        logits_processor=LogitsProcessorList([recorder]), synced_gpus=False)
             finally:
                 self.model.train(was_training)
         tokens = sequences[:, P:]  # [prompts * n, T], the n samples of a prompt in consecutive rows
@@ -706,9 +765,13 @@ class HFRollout:
             limit = limits[b // n]
             end = next((t + 1 for t, token in enumerate(row[:limit]) if token in self.eos_ids),
                        None)
-            responses.append(Response(token_ids=row[: end or limit],
-                                      logprobs=row_logprobs[: end or limit],
-                                      truncated=end is None))
+            length = len(rows[b]) + len(row[: end or limit])  # prompt and response
+            responses.append(Response(
+                token_ids=row[: end or limit], logprobs=row_logprobs[: end or limit],
+                truncated=end is None,
+                routed_experts=routing.record(len(rows), b, P - len(rows[b]), length,
+                                              self.mixture[1])
+                if self.cfg.routed_experts else None))
         return [responses[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 

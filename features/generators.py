@@ -91,19 +91,21 @@ class Link:
     # ---- weights ---------------------------------------------------------------------------------
 
     def publish(self, model: torch.nn.Module, version: int, dtype: torch.dtype,
-                fp32: tuple[str, ...]) -> None:
+                fp32: tuple[str, ...]) -> int:
         """Trainers (all of them: every gather is a collective): version `version`'s full weights in
-        the engine's dtype, broadcast by trainer rank 0 one tensor at a time; returns once the
-        generators have them (they take them at their next batch boundary)."""
-        root = dist.get_rank() == 0
+        the engine's dtype, broadcast by trainer rank 0 one tensor at a time; returns (the bytes
+        sent) once the generators have them (they take them at their next batch boundary)."""
+        root, sent = dist.get_rank() == 0, 0
         if root:
             self.store.set("published", str(version))
         for name, tensor in stream_full_weights(model, dtype, self.device, fp32):
+            sent += tensor.numel() * tensor.element_size()
             if root:
                 self._broadcast_object((name, tuple(tensor.shape), tensor.dtype))
                 self._broadcast(tensor.contiguous().reshape(-1).view(torch.uint8))
         if root:
             self._broadcast_object(None)
+        return sent
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Generators: the published version's (name, tensor) stream, as publish sends it."""
@@ -238,6 +240,7 @@ class Generators:
     def __init__(self, link: Link, dtype: torch.dtype, fp32: tuple[str, ...]):
         self.link, self.dtype, self.fp32 = link, dtype, fp32
         self.weights_version = 0
+        self.sync_bytes = 0  # what the last publish sent
 
     @classmethod
     def start(cls, link: Link, actor: torch.nn.Module, first_step: int) -> "Generators":
@@ -250,7 +253,7 @@ class Generators:
 
     def sync_weights(self, model: torch.nn.Module, version: int,
                      on_loaded: Callable[[], None] = lambda: None) -> None:
-        self.link.publish(model, version, self.dtype, self.fp32)
+        self.sync_bytes = self.link.publish(model, version, self.dtype, self.fp32)
         self.weights_version = version
         on_loaded()
 

@@ -134,7 +134,8 @@ class PartialProducer:
                 llm.add_request(request, prompt, SamplingParams(
                     n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     max_tokens=cfg.max_response_length - len(response.token_ids), logprobs=0,
-                    logit_bias=engine.logit_bias or None, output_kind=RequestOutputKind.DELTA))
+                    logit_bias=engine.logit_bias or None, output_kind=RequestOutputKind.DELTA),
+                    lora_request=engine.lora_request)
         finished = sum(f.finished for f in self.flights)
         due_left = sum(not f.finished for f in self.flights if f.due <= version)
         with sampling_rng(engine.seeds.next(version, "partial"), engine.device):

@@ -14,12 +14,15 @@ Design decisions:
   tested).
 - The reference model is the actor with its adapters switched off (`adapters_off`, peft's
   `disable_adapter`): no second model in memory.
-- The engine gets the adapted weights merged, W + (alpha / rank) B A, computed while streaming
-  (`merged_weights`) from the gathered shards, one layer at a time. Nothing is merged into the
-  model itself, so there is no merge/unmerge cycle whose rounding could drift the base weights over
-  many steps, and vLLM needs no LoRA support (its LoRA path would also need the adapter saved and
-  reloaded at every step). The engine's log-probs then follow the adapted model as closely as they
-  follow a full-parameter one (tested).
+- Two ways to the engine (--lora.sync). merged (the default): the adapted weights merged,
+  W + (alpha / rank) B A, computed while streaming (`merged_weights`) from the gathered shards, one
+  layer at a time, into the engine's own weights: vLLM runs no LoRA kernels. Nothing is merged into
+  the model itself, so there is no merge/unmerge cycle whose rounding could drift the base weights
+  over many steps. adapter: only the adapters travel (`adapter_weights`, a few MB), loaded into
+  vLLM's LoRA support in memory (`EngineAdapter`: no files), over the base vLLM loaded at start-up
+  and keeps (the base never trains). The engine's log-probs follow the adapted model either way as
+  closely as they follow a full-parameter one (tested); which is faster is measured
+  (docs/lora-and-merge.md).
 - The same merged weights, under the base model's own names, are what `fsdp_utils.save_hf_model`
   writes: the trained folder is a plain Hugging Face model (scripts/merge.py does the same from a
   checkpoint).
@@ -29,6 +32,7 @@ import re
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -50,6 +54,11 @@ class LoRAConfig:
     exclude_modules: str = ""
     """Regex of module names left without adapters (e.g. '.*visual.*': a vision-language model's
     vision tower)."""
+    sync: Literal["merged", "adapter"] = "merged"
+    """How the engine (vLLM) gets the trained policy after each update. merged: the whole model,
+    the adapters merged into its weights while streaming (vLLM runs no LoRA kernels); adapter: only
+    the adapters, loaded into vLLM's LoRA support in memory (a few MB a sync; the base stays in the
+    engine; its modules must be ones vLLM can adapt)."""
 
 
 def add_adapters(model, cfg: LoRAConfig):
@@ -163,3 +172,108 @@ def _update(layer, device: torch.device) -> torch.Tensor:
     b = b.reshape(b.shape[0], -1, experts)  # [out, rank, experts]
     order = "eoi" if layer._did_swap_in_out_features else "eio"
     return layer.scaling[ADAPTER] * torch.einsum(f"ore,eri->{order}", b, a)
+
+
+# ---- the adapters into vLLM (--lora.sync adapter) -----------------------------------------------
+
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
+
+
+def engine_lora_args(cfg: LoRAConfig | None, model, device: torch.device) -> dict:
+    """vLLM's engine arguments for --lora.sync adapter on `model` (peft's): LoRA on, one adapter,
+    room for its largest rank (a mixture's fused gate_up experts: twice the rank), a mixture's
+    experts in peft's 3-D layout; {} otherwise."""
+    if cfg is None or cfg.sync != "adapter" or not has_adapters(model):
+        return {}
+    if device.type == "cpu" and any(".experts." in name for name, _ in model.named_parameters()):
+        raise SystemExit("--lora.sync adapter on a mixture of experts: vLLM's LoRA layers for "
+                         "experts run Triton kernels, which its CPU build lacks (they wrap every "
+                         "mixture, adapted or not); use --lora.sync merged on a CPU")
+    config = model.peft_config[ADAPTER]
+    largest = max([config.r, *config.rank_pattern.values()])
+    if largest > VLLM_RANKS[-1]:
+        raise SystemExit(f"--lora.rank {cfg.rank} with --lora.sync adapter: an adapter of rank "
+                         f"{largest}, and vLLM adapts ranks up to {VLLM_RANKS[-1]}; use "
+                         "--lora.sync merged")
+    return dict(enable_lora=True, max_loras=1, enable_mixed_moe_lora_format=True,
+                max_lora_rank=next(rank for rank in VLLM_RANKS if rank >= largest))
+
+
+@torch.no_grad()
+def adapter_weights(model, dtype: torch.dtype,
+                    device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name as peft saves it, full tensor in `dtype`) of every adapter matrix, one at a time:
+    'base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight' ->
+    '...q_proj.lora_A.weight'. Collective like merged_weights: every rank consumes it all."""
+    for name, param in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            yield name.replace(f".{ADAPTER}.", "."), _full(param, device, dtype)
+
+
+class EngineAdapter:
+    """The trained adapter inside an in-process vLLM engine started with `engine_lora_args`: loaded
+    from tensors in memory under one adapter id, replaced in place at every sync; every generate
+    call passes `request`.
+
+    vLLM 0.32 loads adapters from a folder (its worker's `_load_adapter`); this builds the same
+    LoRAModel from the streamed tensors (`LoRAModel.from_lora_tensors`, the name mapping of a
+    vision-language model included) and registers it with the worker's adapter manager itself.
+    Requests naming an id the manager holds are served without a load (`add_adapter` only touches
+    its LRU entry), so the folder path in `request` is never read.
+    """
+
+    ID = 1
+
+    def __init__(self, worker, model, dtype: torch.dtype, device: torch.device):
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.request import LoRARequest
+
+        self.worker_manager = worker.model_runner.lora_manager
+        self.manager = self.worker_manager._adapter_manager
+        config = model.peft_config[ADAPTER].to_dict()
+        config["target_modules"] = sorted(config["target_modules"] or [])
+        self.helper = PEFTHelper.from_dict(config)
+        self.helper.validate_legal(self.worker_manager.lora_config)
+        vllm_model = self.manager.model
+        mapper = getattr(vllm_model, "hf_to_vllm_mapper", None)
+        self.mapper = mapper and mapper.get_rename_mapper()
+        self.skip = getattr(vllm_model, "lora_skip_prefixes", None)
+        self.request = LoRARequest("policy", self.ID, "in-memory")
+        # the fresh adapter (B = 0: the base model) loaded now, so that a module vLLM would leave
+        # out is refused before the first step; a collective, like every sync
+        self.load(adapter_weights(model, dtype, device))
+
+    def adaptable(self) -> set[str]:
+        """The module names (their last part) vLLM's LoRA layers cover in this model, the parts of
+        its fused layers (qkv_proj: q_proj, k_proj, v_proj) by their own names."""
+        packed = self.manager.packed_modules_mapping
+        return {part for name in self.manager.modules
+                for part in packed.get(name.rsplit(".", 1)[-1], [name.rsplit(".", 1)[-1]])}
+
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """Replace the engine's adapter by `weights` (adapter_weights' names); the bytes loaded."""
+        from vllm.lora.lora_model import LoRAModel
+
+        # copies: vLLM folds the scaling into B in place (LoRALayerWeights.optimize), and an
+        # ungathered tensor (one rank) is the trainer's own parameter
+        tensors = {name: tensor.detach().clone() for name, tensor in weights}
+        adapter = LoRAModel.from_lora_tensors(
+            self.ID, tensors, self.helper, device="cpu",
+            dtype=self.worker_manager.lora_config.lora_dtype,
+            model_vocab_size=self.worker_manager.vocab_size, weights_mapper=self.mapper,
+            skip_prefixes=self.skip)
+        adapter.is_3d_lora_weight = True  # a mixture's experts: peft's [experts x rank, ...]
+        self.manager.remove_adapter(self.ID)
+        self.manager.add_adapter(adapter)  # packs q/k/v into qkv_proj's, gate/up into gate_up's
+        self.manager.activate_adapter(self.ID)
+        # a module without vLLM's LoRA layer is skipped silently: its adapter would never apply
+        left_out = sorted({re.sub(r"\.\d+\.", ".N.", name) for name in adapter.loras
+                           if name not in self.manager.modules})
+        if left_out:
+            raise SystemExit(
+                f"--lora.sync adapter: vLLM does not adapt {', '.join(left_out)} of this model "
+                f"(it adapts {', '.join(sorted(self.adaptable()))}); "
+                "leave them out (--lora.target-modules, --lora.exclude-modules, e.g. "
+                "'.*visual.*') or use --lora.sync merged")
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+

@@ -20,11 +20,16 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
     or the HF engine: the model gathered in bf16 (2P) + the KV cache of one micro-batch
       (T x L' x 2 x kv_heads x head_dim x 2, L' the full-attention layers: a linear-attention one has a small state)
     overhead: 2 GiB (CUDA context, NCCL buffers, allocator fragmentation)
+    with --lora.sync adapter, inside vLLM's budget (what it needs to start): its LoRA layers' buffers for one
+      adapter of rank r' (the smallest max_lora_rank vLLM takes that holds r: 8, 16, 32, ...), bf16, in every layer
+      r' x (3h + q + 2kv) for q, k, v, r' x (q + h) for o, r' x (2h + 2I) for gate and up, r' x (I + h) for down
+      (q, kv: the query's and a key's widths; a mixture: E experts' gate, up and down instead of one MLP's)
 - sync (vLLM engine only: its weights are awake and reloaded, its KV cache not yet; rollout.sync_weights):
     actor and reference as in training (the state leaves, when offloaded, only before the KV cache wakes)
     vLLM weights 2P/tp, one full tensor being streamed in bf16 (the largest: the embedding, or a mixture's experts
       of a layer, [E, 2 x I_expert, h]; with LoRA, an adapted one merged in fp32, 14 bytes an element: gathered,
-      upcast, its update, their sum), and its
+      upcast, its update, their sum; with --lora.sync adapter only the adapters, all of them gathered in bf16:
+      vLLM builds its adapter from the whole set), and its
       CUDA graphs (1 GiB; their pool is not freed by sleep), overhead
 - training (forward/backward of one micro-batch; vLLM asleep, its weights and KV cache off the GPU):
     actor with gradients: (2p + m)P/W, fp32: 16P/W; reference 2P/W (0 under FSDP2's CPU offload; every unit,
@@ -50,6 +55,9 @@ p bytes per stored parameter (4 fp32, 2 with --actor.dtype bfloat16), m bytes of
       its hidden states of the micro-batch, T/N x h_t x 2, and its side of a chunk, c x V x 16 (bf16 logits,
       fp32 log-softmax and probabilities, the student's whole-vocabulary log-softmax beside them)
     vLLM's CUDA graphs (1 GiB), overhead: 2 GiB
+    with --actor.router-replay, the routing record of the rank's batch, in this phase and the sync (the batch lives
+      through the step): rows x (prompt + response) x L x k bytes (x 2 past 255 experts), and inside vLLM's budget
+      its own record of a forward, max_num_batched_tokens x L x k x 4 (int32)
 - the separate placement (--rollout.generators): a generator rank holds vLLM's budget while it generates, and its
   weights, CUDA graphs and the one tensor it receives in the sync; a trainer rank holds no engine: the training phase
   above without vLLM's graphs, and in the sync its state and the one tensor it gathers and sends (W: the trainers)
@@ -103,6 +111,9 @@ VLLM_WEIGHTS = "vLLM: bf16 weights (reloading)"
 VLLM_GRAPHS = "vLLM: CUDA graphs (kept while asleep)"
 STREAMED = "one streamed tensor, bf16"
 MERGED = "one adapted tensor merged in fp32 (LoRA)"
+ADAPTERS = "the LoRA adapters, gathered in bf16 (--lora.sync adapter)"
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 takes (model/lora.py)
+ROUTING = "the routing record of the batch (--actor.router-replay)"
 VLLM_AWAKE = "vLLM awake through the update (--rollout.staleness)"
 ENGINE_COPY = "the engine's weights kept for a checkpoint (--rollout.staleness)"
 GRADIENTS = "unsharded gradients in flight"
@@ -170,6 +181,26 @@ def mlp_width(text) -> int:
         shared = getattr(text, "shared_expert_intermediate_size", 0) or 0
         return text.num_experts_per_tok * text.moe_intermediate_size + shared
     return getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+
+
+def lora_bytes(text, rank: int) -> int:
+    """Adapters of `rank` on every linear layer of each decoder layer, bf16 (the module docstring's sum: A and B of
+    q, k, v, o, gate, up, down, a mixture's per expert); 0 for rank 0. Qwen2.5-7B at rank 64: 28 layers x 64 x
+    90,112 x 2 bytes = 0.32 GB. vLLM's buffers for one adapter are this at the rank it reserves (vllm_rank)."""
+    if not rank:
+        return 0
+    h, heads = text.hidden_size, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    experts = _experts(text) or 1
+    width = text.moe_intermediate_size if _experts(text) else mlp_width(text)
+    per_layer = (3 * h + q + 2 * kv) + (q + h) + experts * ((2 * h + 2 * width) + (width + h))
+    return text.num_hidden_layers * rank * per_layer * 2
+
+
+def vllm_rank(rank: int) -> int:
+    """The max_lora_rank vLLM reserves for an adapter of `rank`: the smallest it takes that holds it."""
+    return next((r for r in VLLM_RANKS if r >= rank), rank) if rank else 0
 
 
 def count_parameters(model_config) -> int:
@@ -253,7 +284,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
                     lora: bool = False, enforce_eager: bool = False, sequence_parallel_size: int = 1,
                     evaluation: bool = False, reward_model_params: int = 0,
                     teacher_params: int = 0, teacher_in_loss=None, entropy_grad: bool = False,
-                    engine_awake: bool = False, role: str = "") -> MemoryEstimate:
+                    engine_awake: bool = False, role: str = "", adapter_rank: int = 0,
+                    routing_rows: int = 0) -> MemoryEstimate:
     """Per-GPU bytes of each phase (formulas in the module docstring). max_seq_len = prompt + response length.
 
     Example: P = 1e9 on W = 4 GPUs with KL, fp32 AdamW -> rollout actor 3e9 (12P/W), reference 0.5e9 (2P/W);
@@ -264,7 +296,9 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     divergence is in the loss (--distill.kl reverse or forward); `entropy_grad`: the entropy's gradient in the head's
     chunks (--algorithm.entropy-coef); `engine_awake`: vLLM stays awake through the update (--rollout.staleness);
     `role`: a rank of the separate placement (--rollout.generators), "generator" (vLLM and the tensor it receives, no
-    trainer) or "trainer" (the trainer and the tensor it sends, no engine; `world_size`: the trainer ranks).
+    trainer) or "trainer" (the trainer and the tensor it sends, no engine; `world_size`: the trainer ranks);
+    `adapter_rank`: the LoRA rank with --lora.sync adapter (0: the merged stream); `routing_rows`: the rank's rows a
+    step with --actor.router-replay (0: off).
     """
     counts = _parameter_counts(model_config)
     P, root, layer = counts.total, counts.root, counts.layer
@@ -289,7 +323,12 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
         # the offline defaults of the vLLM that the requirements pin (docs/install.md)
         tokens, sequences = (16384, 1024) if gpu_bytes >= 70 * GiB else (8192, 256)
         profiling = tokens * (2 * I + 4 * h) * 2 + sequences * V * 8
-        vllm_needs = 2 * P // tensor_parallel_size + profiling + graphs.get(VLLM_GRAPHS, 0) + GiB
+        # --lora.sync adapter: vLLM's LoRA buffers, inside its budget (the KV cache gets less)
+        adapters = lora_bytes(text, vllm_rank(adapter_rank)) // tensor_parallel_size
+        # --actor.router-replay: vLLM's int32 record of a forward's experts
+        capture = tokens * L * getattr(text, "num_experts_per_tok", 0) * 4 if routing_rows else 0
+        vllm_needs = (2 * P // tensor_parallel_size + profiling + graphs.get(VLLM_GRAPHS, 0) + GiB + adapters
+                      + capture)
     elif engine == "hf":
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -308,7 +347,8 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
     sync = {ACTOR_STATE: on_gpu * state_bytes * P // W, **{k: on_gpu * v for k, v in frozen.items()},
             VLLM_WEIGHTS: 2 * P // tensor_parallel_size, **graphs, OVERHEAD: 2 * GiB,
             # LoRA: an adapted weight gathered in bf16, upcast, its fp32 update, their fp32 sum
-            **({MERGED: 14 * counts.adapted} if lora and 14 * counts.adapted > 2 * counts.largest
+            **({ADAPTERS: lora_bytes(text, adapter_rank)} if adapter_rank else
+               {MERGED: 14 * counts.adapted} if lora and 14 * counts.adapted > 2 * counts.largest
                else {STREAMED: 2 * counts.largest})} if engine == "vllm" else {}
     training = {ACTOR_STATE + " + grads": on_gpu * training_bytes * P // W,
                 **{k: on_gpu * v for k, v in frozen.items()},
@@ -321,6 +361,11 @@ def estimate_memory(model_config, *, world_size: int, gpu_bytes: int, kl: bool, 
         training[VLLM_AWAKE] = engine_items[VLLM]
         # a save step's copy of the weights the engine holds, for the checkpoint (LoRA: the adapters', a few)
         training[ENGINE_COPY] = 0 if lora else param_bytes * P // W
+    if routing_rows and _experts(text):  # expert + 1 a token, layer and choice: uint8, int16 past 255 experts
+        record = routing_rows * max_seq_len * L * text.num_experts_per_tok * (1 if _experts(text) < 256 else 2)
+        for phase in (sync, training):
+            if phase:
+                phase[ROUTING] = record
     if teacher_in_loss and training:
         training[TEACHER_IN_LOSS] = (2 * _parameter_counts(teacher_in_loss).root
                                      + held * teacher_in_loss.get_text_config().hidden_size * 2
@@ -432,7 +477,9 @@ def check_run_memory(cfg, model_path: str, world_size: int, gpu_bytes: int, role
                         enforce_eager=cfg.rollout.enforce_eager,
                         sequence_parallel_size=cfg.actor.sequence_parallel_size,
                         entropy_grad=bool(cfg.algorithm.entropy_coef), engine_awake=cfg.rollout.staleness > 0,
-                        role=role)
+                        role=role, adapter_rank=cfg.lora.rank if cfg.lora.sync == "adapter" else 0,
+                        routing_rows=cfg.trainer.rollout_batch_size * cfg.rollout.n * cfg.actor.sequence_parallel_size
+                        // world_size if cfg.actor.router_replay else 0)
 
 
 def precision(dtype: str, optimizer: str) -> dict[str, int]:
@@ -452,9 +499,13 @@ SETUPS = {  # the README's hardware table: name -> estimate_memory options
     "bf16 weights, adamw_bf16": dict(param_bytes=2, moment_bytes=4),
     "bf16 + adamw_bf16 + offload while generating": dict(param_bytes=2, moment_bytes=4, offload_while_generating=True),
     "LoRA (bf16 base, no reference model)": dict(lora=True),
+    "LoRA rank 64, adapters into vLLM (--lora.sync adapter)": dict(lora=True, adapter_rank=64),
     "bf16 + adamw_bf16, one 32k-token sequence a micro-batch": dict(param_bytes=2, moment_bytes=4, max_seq_len=32768),
     "the same, sequence parallel 2": dict(param_bytes=2, moment_bytes=4, max_seq_len=32768, sequence_parallel_size=2),
     "the same, sequence parallel 4": dict(param_bytes=2, moment_bytes=4, max_seq_len=32768, sequence_parallel_size=4)}
+MIXTURE_SETUPS = {  # the current generation's table only: a mixture's
+    "bf16 + adamw_bf16, router replay (a rank's 64 rows of 8k tokens)": dict(param_bytes=2, moment_bytes=4,
+                                                                           routing_rows=64)}
 
 
 def current_generation() -> dict:
@@ -509,17 +560,22 @@ def qwen2_5() -> dict:
 
 def hardware_table(gpu_gib: float = 80.0, models: dict | None = None) -> str:
     """GPUs of `gpu_gib` needed to train each model (name -> config; the Qwen2.5 sizes by default) with each SETUPS
-    entry (Markdown), for a run with KL, vLLM at 0.5 of each GPU, micro-batches of 8,192 tokens (or the entry's
-    sequence length) and gradient checkpointing; sequence parallelism needs the model's attention heads to split
-    over a group, and no linear attention. A mixture of experts' header gives its total and active parameters."""
+    entry (Markdown; the current generation's with MIXTURE_SETUPS too), for a run with KL, vLLM at 0.5 of each GPU,
+    micro-batches of 8,192 tokens (or the entry's sequence length) and gradient checkpointing; sequence parallelism
+    needs the model's attention heads to split over a group, and no linear attention; router replay a mixture. A
+    mixture of experts' header gives its total and active parameters."""
+    setups = SETUPS if models is None else {**SETUPS, **MIXTURE_SETUPS}
     models = models or qwen2_5()
     header = [name + (f" ({billions(c.total)}, {billions(c.active)} active)" if c.active < c.total else "")
               for name, c in ((name, _parameter_counts(config)) for name, config in models.items())]
     lines = ["| setup | " + " | ".join(header) + " |", "|---|" + "---|" * len(models)]
-    for name, setup in SETUPS.items():
+    for name, setup in setups.items():
         cells = []
         for config in models.values():
             options = {"max_seq_len": 8192, **setup}
+            if options.get("routing_rows") and not _experts(config.get_text_config()):
+                cells.append("- (dense)")
+                continue
             heads, split = config.get_text_config().num_attention_heads, options.get("sequence_parallel_size", 1)
             if split > 1 and linear_attention_layers(config):
                 cells.append("- (linear attention)")

@@ -17,12 +17,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
-from conftest import ENGINE_GAP, FAST, ROOT, torchrun
+from conftest import ENGINE_GAP, FAST, ROOT, SIGNAL, torchrun
 from launches import launched_run, uses_runs
 from fsdp_utils import load_sharded_model, stream_full_weights
 from logprobs import batched_logprobs, make_batch
 from model.families import linear_attention_per_sequence
-from model.lora import LoRAConfig, adapters_off, base_name
+from model.lora import LoRAConfig, adapter_weights, adapters_off, base_name, engine_lora_args
 from plumbing.checkpoints import save_checkpoint
 from plumbing.tiny import build_tiny_model
 from scripts.merge import merge
@@ -179,6 +179,61 @@ def test_a_target_lora_cannot_adapt_is_one_line_naming_what_it_can(tiny, world_o
                                 "down_proj, embed_tokens, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj")
 
 
+def test_the_adapter_stream_is_what_peft_saves(tiny, world_of_one):
+    """--lora.sync adapter streams the adapter matrices alone, gathered, under the names (and with the values) of the
+    adapter_model.safetensors peft would write: the format vLLM's LoRA loader reads."""
+    from peft import get_peft_model_state_dict
+
+    model = load_sharded_model(tiny, torch.device("cpu"), trainable=True, lora=LORA)
+    nudge(model, "lora_")
+    streamed = dict(adapter_weights(model, torch.float32, torch.device("cpu")))
+    saved = get_peft_model_state_dict(model, state_dict={n: full(p) for n, p in model.state_dict().items()})
+    assert list(streamed) == list(saved) and len(saved) == 2 * 7 * 2  # A and B, 7 linear layers, 2 decoder layers
+    assert all(torch.equal(streamed[n], saved[n]) for n in saved)
+
+
+@pytest.mark.parametrize("architecture, rank, device, expected", [
+    ("qwen2", 4, "cpu", 8), ("qwen2", 16, "cpu", 16), ("qwen2", 100, "cpu", 128),
+    ("qwen3_moe", 8, "cuda", 16),  # peft's fused gate_up experts: twice the rank
+    ("qwen3_moe", 8, "cpu", "a mixture of experts: vLLM's LoRA layers for experts run Triton kernels"),
+    ("qwen2", 600, "cpu", "an adapter of rank 600, and vLLM adapts ranks up to 512"),
+    ("qwen3_moe", 300, "cuda", "an adapter of rank 600, and vLLM adapts ranks up to 512")])
+def test_the_engine_gets_room_for_the_largest_adapter(tiny, tmp_path, architecture, rank, device, expected):
+    """vLLM takes a few max_lora_rank values: the smallest that holds the largest adapter; on a CPU its LoRA layers
+    cannot run a mixture (Triton), and above 512 no engine can: one line naming the flag each."""
+    from transformers import AutoConfig
+
+    from model.lora import add_adapters
+
+    path = tiny if architecture == "qwen2" else build_tiny_model(architecture, tmp_path / architecture)
+    with torch.device("meta"):
+        model = add_adapters(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)),
+                             LoRAConfig(rank=rank))
+    args = lambda: engine_lora_args(LoRAConfig(rank=rank, sync="adapter"), model, torch.device(device))  # noqa: E731
+    if isinstance(expected, str):
+        with pytest.raises(SystemExit, match=expected):
+            args()
+    else:
+        assert args() == dict(enable_lora=True, max_loras=1, enable_mixed_moe_lora_format=True,
+                              max_lora_rank=expected)
+        assert engine_lora_args(LoRAConfig(rank=rank), model, torch.device(device)) == {}  # merged
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rank": 0}, "--lora.sync adapter with --lora.rank 0 (no adapters)"),
+    ({"engine": "hf"}, "--lora.sync adapter with --rollout.engine hf (it generates with the trainer's model itself)"),
+    ({"generators": 1}, "--lora.sync adapter with --rollout.generators (the link streams the merged weights)")])
+def test_adapter_sync_refuses_what_it_cannot_serve(change, message):
+    from grpo import Config, check_config
+
+    cfg = Config()
+    cfg.lora.rank, cfg.lora.sync = change.get("rank", 8), "adapter"
+    cfg.rollout.engine, cfg.rollout.generators = change.get("engine", "vllm"), change.get("generators", 0)
+    with pytest.raises(SystemExit) as error:
+        check_config(cfg, world_size=2)
+    assert message in str(error.value) and len(str(error.value).splitlines()) == 2
+
+
 def test_merger_errors_name_the_folder(world_of_one, tmp_path):
     with pytest.raises(SystemExit, match="neither a run folder"):
         merge(tmp_path, tmp_path / "out", torch.device("cpu"))
@@ -189,26 +244,34 @@ def test_merger_errors_name_the_folder(world_of_one, tmp_path):
 
 @launched_run()
 def lora_run(folder):
-    return ["--lora.rank", "8", "--lora.alpha", "16", "--trainer.total-steps", "2", "--trainer.output-dir", folder,
-            "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST, "--trainer.save-freq", "2"]
+    """2 steps, then the run resumed for a third (the engine starts with the checkpoint's adapters)."""
+    run = ["--actor.model-path", "tiny:qwen2_5_bpe", "--lora.rank", "8", "--lora.alpha", "16", "--lora.sync", "adapter",
+           "--trainer.total-steps", "2", "--trainer.output-dir", folder, "--trainer.experiment-name", "lora",
+           "--trainer.val-freq", "0", "--trainer.no-val-before-train", *FAST, *SIGNAL, "--trainer.save-freq", "1"]
+    return [run, [*run, "--trainer.total-steps", "3"]]
 
 
 @uses_runs("lora_run")
 @pytest.mark.slow
 def test_a_lora_run_under_torchrun_trains_only_adapters_and_its_merged_folder_loads_in_vllm(runs, engine, tmp_path):
-    """2 steps, 2 ranks: no reference model is built (the base is the reference), the engine follows the adapted
-    model after every sync (gap at the full-model level), the base weights are bitwise unchanged and the adapters
-    moved; `python -m scripts.merge` on the run folder gives a folder vLLM loads and whose log-probs are the trained
-    model's."""
+    """3 steps (the third resumed), 2 ranks, Qwen's 151k vocabulary, the adapters loaded into vLLM in memory
+    (--lora.sync adapter): no reference model is built (the base is the reference), the engine follows the adapted
+    model after every sync and after the resume (gap at the full-model level) while each sync moves the adapters
+    alone (hand-counted: 2 layers of q, k, v, o, gate, up, down at rank 8, 32,768 numbers in fp32), under 1% of the
+    model; the base weights are bitwise unchanged and the adapters moved; `python -m scripts.merge` on the run folder
+    gives a folder vLLM loads and whose log-probs are the trained model's."""
     output, folder = runs["lora_run"].output(), runs["lora_run"].folder
     assert "LoRA rank 8:" in output and "the reference is the base (adapters off)" in output
-    run = folder / "tiny-qwen2_toy"
+    assert "resumed from" in runs["lora_run"].output(1)
+    run = folder / "lora"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and all(m["rollout/logprob_diff_max"] < ENGINE_GAP for m in metrics)
-    assert metrics[1]["actor/kl_ref"] > 0  # the adapted policy moved away from the base
-    dcp_to_torch_save(run / "checkpoints" / "step_000002" / "model_optimizer", tmp_path / "ckpt.pt")
+    assert len(metrics) == 3 and all(m["rollout/logprob_diff_max"] < ENGINE_GAP for m in metrics)
+    assert metrics[1]["actor/kl_ref"] != 0  # the adapted policy moved away from the base
+    initial = load_file(folder / "models" / "tiny-qwen2_5_bpe" / "model.safetensors")
+    model_bytes = sum(t.numel() * t.element_size() for t in initial.values())
+    assert all(m["sync/bytes"] == 32768 * 4 for m in metrics) and 32768 * 4 < model_bytes / 100
+    dcp_to_torch_save(run / "checkpoints" / "step_000003" / "model_optimizer", tmp_path / "ckpt.pt")
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]
-    initial = load_file(folder / "models" / "tiny-qwen2" / "model.safetensors")
     base = {base_name(n): t for n, t in saved.items() if "lora_" not in n}
     assert all(torch.equal(base[n], initial[n]) for n in initial)
     assert any(t.abs().max() > 0 for n, t in saved.items() if "lora_B" in n)

@@ -178,6 +178,41 @@ def test_every_item_against_hand_computed_numbers():
     assert with_kl.training_total - without_kl.training_total == 2 * P // W
 
 
+def test_adapter_sync_reserves_vllms_lora_buffers_and_syncs_the_adapters_alone():
+    """--lora.sync adapter: vLLM's LoRA buffers for one adapter at the rank it reserves (rank 4 -> 8), in what it needs
+    to start (inside its budget: the KV cache gets less); the sync gathers the adapters (bf16) instead of a merged
+    tensor. By hand, TINY (h 64, 4 heads of 16, 2 KV heads, I 160): per layer and rank q 64+64, k 64+32, v 64+32,
+    o 64+64, gate 64+160, up 64+160, down 160+64 = 1,120."""
+    from plumbing.memory import ADAPTERS, lora_bytes
+
+    assert lora_bytes(TINY, 4) == 3 * 4 * 1120 * 2 and lora_bytes(TINY, 0) == 0
+    merged = estimate_memory(TINY, world_size=4, gpu_bytes=GPU_80GB, gradient_checkpointing=False, lora=True, **RUN)
+    adapter = estimate_memory(TINY, world_size=4, gpu_bytes=GPU_80GB, gradient_checkpointing=False, lora=True,
+                              adapter_rank=4, **RUN)
+    assert adapter.rollout == merged.rollout
+    assert adapter.vllm_needs == merged.vllm_needs + 3 * 8 * 1120 * 2
+    assert adapter.sync[ADAPTERS] == 3 * 4 * 1120 * 2 and MERGED not in adapter.sync and STREAMED not in adapter.sync
+    assert adapter.training == merged.training
+    # Qwen2.5-7B at rank 64: 28 layers x 64 x 90,112 x 2 bytes (the docstring's 0.32 GB)
+    assert lora_bytes(QWEN_7B, 64) == 28 * 64 * 90112 * 2
+
+
+def test_router_replay_holds_the_batchs_routing_record_and_vllm_its_own():
+    """--actor.router-replay: the rank's batch carries every token's k experts in every layer, one byte each (expert
+    + 1, uint8) below 256 experts and two past (Qwen3-Next's 512), through the update and the sync; vLLM records a
+    forward's in int32, max_num_batched_tokens (16,384 on an 80 GB GPU) x L x k x 4, inside its budget. A dense
+    model has nothing to record."""
+    from plumbing.memory import ROUTING
+
+    run = dict(world_size=8, gpu_bytes=GPU_80GB, gradient_checkpointing=True, kl=True, micro_batch_size=1,
+               max_seq_len=8192)
+    for config, k, width in ((QWEN3_30B_A3B, 8, 1), (memory.current_generation()["Qwen3-Next-80B-A3B"], 10, 2)):
+        off, on = estimate_memory(config, **run), estimate_memory(config, **run, routing_rows=64)
+        assert on.training[ROUTING] == on.sync[ROUTING] == 64 * 8192 * 48 * k * width  # 48 layers both
+        assert on.vllm_needs - off.vllm_needs == 16384 * 48 * k * 4 and on.rollout == off.rollout
+    assert ROUTING not in estimate_memory(QWEN_7B, **run, routing_rows=64).training
+
+
 def test_hf_engine_gathers_the_model_and_holds_a_kv_cache_instead_of_a_vllm_budget():
     P, L, kv_heads, head_dim = qwen2_parameters(TINY), 3, 2, 16
     e = estimate_memory(TINY, world_size=4, gpu_bytes=GPU_80GB, gradient_checkpointing=False, engine="hf", **RUN)
@@ -421,6 +456,12 @@ def test_the_trainer_passes_its_flags_to_the_check(tmp_path):
     assert check_run_memory(cfg, str(tmp_path), world_size=256, gpu_bytes=GPU_80GB) == estimate_memory(
         QWEN_7B, world_size=256, gpu_bytes=GPU_80GB, kl=False, micro_batch_size=2, max_seq_len=2048,
         gradient_checkpointing=False, engine="hf")
+    # LoRA synced as adapters: the rank reaches the estimate
+    cfg.lora.rank, cfg.lora.sync = 16, "adapter"
+    assert check_run_memory(cfg, str(tmp_path), world_size=256, gpu_bytes=GPU_80GB) == estimate_memory(
+        QWEN_7B, world_size=256, gpu_bytes=GPU_80GB, kl=False, micro_batch_size=2, max_seq_len=2048,
+        gradient_checkpointing=False, engine="hf", lora=True, adapter_rank=16)
+    cfg.lora.rank, cfg.lora.sync = 0, "merged"
     # an evaluation with a reward model: both reach the estimate
     Qwen2Config(**{**QWEN_1_5B.to_dict(), "architectures": ["Qwen2ForSequenceClassification"], "num_labels": 1}
                 ).save_pretrained(tmp_path / "reward")

@@ -38,7 +38,7 @@ class Requests:
     def __init__(self, length):
         self.length, self.live, self.added, self.aborted = length, {}, [], []
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, lora_request=None):
         ids = prompt["prompt_token_ids"]
         self.added.append((ids, params.max_tokens))
         self.live[request_id] = [ids, params.max_tokens, 0]
@@ -74,6 +74,7 @@ class Engine:
         self.cfg, self.weights_version = RolloutConfig(), 0
         self.llm = SimpleNamespace(llm_engine=Requests(length))
         self.logit_bias, self.seeds, self.device = {}, SeedStream(1, 0), torch.device("cpu")
+        self.lora_request = None
 
 
 class Loader:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import Qwen2Config
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import ENGINE_GAP, over_cases
 
@@ -92,8 +92,8 @@ class RecordingLLM:
     def reset_prefix_cache(self):
         self.calls.append("reset prefix cache")
 
-    def generate(self, requests, params, use_tqdm):
-        self.calls.append("generate")
+    def generate(self, requests, params, use_tqdm, lora_request=None):
+        self.calls.append("generate" + (f" with {lora_request}" if lora_request else ""))
         self.draws.append({"v1": torch.rand(1).item(), "v2": [np.random.randint(2**31) for _ in requests]})
         sample = SimpleNamespace(token_ids=[5, EOS],
                                  logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {EOS: SimpleNamespace(logprob=-0.5)}],
@@ -159,6 +159,33 @@ def test_gpu_engine_settings_sleep_wake_sync_order_and_sampling_rng(gpu_stand_in
     other.sync_weights(torch.nn.Linear(2, 2), version=1)
     other.generate(prompts, version=1)
     assert other.llm.draws == rollout.llm.draws and rollout.llm.draws[0] != rollout.llm.draws[1]
+
+
+def test_with_adapter_sync_the_gpu_engine_keeps_its_base_through_sleep_and_loads_only_the_adapters(gpu_stand_in,
+                                                                                                 monkeypatch):
+    """--lora.sync adapter on GPU: the engine sleeps at level 1 (its weights to host memory and back: a sync brings
+    only the adapters, so the base must survive the sleep; level 2 would discard it), a sync wakes the weights, loads
+    the adapter matrices alone (peft's names), then wakes the KV cache; every generate names the adapter."""
+    import rollout as engines
+    from model.lora import LoRAConfig, adapter_weights, add_adapters
+
+    # the stream stays on the host (no cuda to gather on)
+    monkeypatch.setattr(engines, "adapter_weights", lambda model, dtype, device: (
+        adapter_weights(model, dtype, torch.device("cpu"))))
+    rollout = engines.VLLMRollout(engines.RolloutConfig(n=1), "model", max_model_len=64, device=gpu_stand_in)
+    loaded = []
+    rollout.adapter = SimpleNamespace(request="the adapter", load=lambda weights: loaded.append(dict(weights)) or 96)
+    rollout.generate([{"prompt_ids": [1, 2]}], version=0)
+    rollout.sleep()
+    model = add_adapters(Qwen2ForCausalLM(Qwen2Config(hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                                     num_attention_heads=1, num_key_value_heads=1, vocab_size=16)),
+                         LoRAConfig(rank=2, target_modules=("q_proj",)))
+    rollout.sync_weights(model, version=1)
+    assert rollout.llm.calls == ["generate with the adapter", "sleep 1", "wake weights", "wake kv_cache",
+                                 "reset prefix cache", "reset encoder cache"]
+    assert list(loaded[0]) == ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert rollout.sync_bytes == 96 and rollout.weights_version == 1
 
 
 def test_the_offloaded_state_leaves_before_the_kv_cache_wakes_and_returns_after_the_engine_sleeps(gpu_stand_in,
