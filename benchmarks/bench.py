@@ -5,7 +5,7 @@ trainer's update against a bare FSDP2 loop, padding-free against padded, the log
     .venv/bin/python benchmarks/bench.py --model PATH --prompts 256 --group-size 8 --max-tokens 512
     .venv/bin/python benchmarks/bench.py --only trainer    # one part: rollout, trainer, tools, video, rewards, sp,
                                                            # correction, curves, env, distill, async,
-                                                           # async-curves or partial
+                                                           # async-curves, partial or lora-sync
 
 Each part runs in its own process (two vLLM engines do not share one process well):
 - rollout: rollout.VLLMRollout (the code path training uses) generating prompts x n x max_tokens, tokens/s;
@@ -62,6 +62,10 @@ Each part runs in its own process (two vLLM engines do not share one process wel
   spread: the default job on its tiny model with the end token's output row moved so that responses run 1 to 96
   tokens (long_tailed_model), synchronous and at --rollout.max-lag 1 and 2 on 2 ranks: steps/s, the generation's
   seconds, the lag, the versions a sample spans and the share continued across an update.
+- lora-sync (`--only lora-sync`): how a LoRA run's engine gets the policy (--lora.sync): the merged model streamed
+  into vLLM's weights against the adapters alone loaded into its LoRA support, on the tiny model and on a model of
+  Qwen2.5-0.5B's widths and vocabulary with 4 layers (LORA_SHAPE), rank 16, 2 ranks, small batches (the sync is the
+  point): bytes and seconds per sync, the generation's seconds (LoRA kernels in every forward), the step's.
 """
 
 import argparse
@@ -916,10 +920,38 @@ def partial_tables(args) -> None:
             print(f"| {name} | " + " | ".join(cells) + " |")
 
 
+LORA_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=4, num_attention_heads=14,
+                  num_key_value_heads=2)  # Qwen2.5-0.5B's widths, 4 of its 24 layers
+
+
+def lora_sync_tables(args) -> None:
+    """--lora.sync merged against adapter: the default job with rank-16 adapters and small batches on the tiny model
+    and on LORA_SHAPE with Qwen's vocabulary; per sync its bytes (sync/bytes) and seconds (timing/sync), the
+    generation's and the step's seconds, means over steps 2 to --steps."""
+    from plumbing.tiny import build_tiny_model
+
+    small = ("--trainer.rollout-batch-size", "8", "--trainer.global-batch-size", "8", "--rollout.n", "4",
+             "--actor.micro-batch-size", "8", "--lora.rank", "16", "--lora.alpha", "32")
+    print(f"\nLoRA's sync into vLLM, rank 16, 2 ranks, 8 prompts x 4 a step, means over steps 2-{args.steps}:\n\n"
+          "| model | --lora.sync | MB a sync | timing/sync, s | timing/generate, s | step, s |\n"
+          "|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"tiny:qwen2 (0.34M)": "tiny:qwen2",
+                  "Qwen2.5-0.5B widths, 4 layers (0.19B)": str(build_tiny_model("qwen2_5_bpe", Path(tmp) / "m",
+                                                                                **LORA_SHAPE))}
+        for name, model in models.items():
+            for sync in ("merged", "adapter"):
+                lines = job_steps(args, "toy", (*small, "--actor.model-path", model, "--lora.sync", sync))
+                cells = [cell(mean_of(lines, "sync/bytes") / 1e6, ".3f"), cell(mean_of(lines, "timing/sync"), ".3f"),
+                         cell(mean_of(lines, "timing/generate"), ".3f"), cell(mean_of(lines, "bench/wall_seconds"))]
+                print(f"| {name} | {sync} | " + " | ".join(cells) + " |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=["rollout", "trainer", "tools", "video", "rewards", "sp", "correction",
-                                           "curves", "env", "distill", "async", "async-curves", "partial"],
+                                           "curves", "env", "distill", "async", "async-curves", "partial",
+                                           "lora-sync"],
                         help="one part of the benchmark")
     parser.add_argument("--model", default="")
     parser.add_argument("--prompts", type=int, default=64)
@@ -970,6 +1002,8 @@ def main():
         async_curves(args)
     if args.only in (None, "partial"):
         partial_tables(args)
+    if args.only in (None, "lora-sync"):
+        lora_sync_tables(args)
 
 
 if __name__ == "__main__":
