@@ -79,8 +79,8 @@ def test_replay_takes_the_engines_experts_with_the_routers_own_gate_weights():
     torch.testing.assert_close(weights[0], torch.tensor([low, 1 - low]), atol=1e-6, rtol=0)
     _, own_weights, own = model(hidden)  # no routing: the router's own, untouched
     assert own.tolist() == [[0, 1], [0, 1], [1, 0]]
-    torch.testing.assert_close(weights[1], own_weights[1].flip(-1)) and torch.testing.assert_close(weights[2],
-                                                                                                  own_weights[2])
+    torch.testing.assert_close(weights[1], own_weights[1].flip(-1))
+    torch.testing.assert_close(weights[2], own_weights[2])
     weights[0, 0].backward()
     assert model.model.layers[0].gate.weight.grad.abs().sum() > 0
     assert (replay.agreed.item(), replay.routed.item()) == (1, 2)
