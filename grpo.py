@@ -692,7 +692,8 @@ def generate_only(cfg: Config, run: Run, tokenizer, processor, episodes: Episode
     """A generator rank's run (--rollout.generators): vLLM and the producer (the reward function
     scores on this rank: a reward model's pass runs on the trainers), serving the trainer ranks
     until they are done (features/generators.serve)."""
-    engine = build_rollout(cfg.rollout, run.model_path, max_model_len(cfg), run.device, None)
+    engine = build_rollout(cfg.rollout, run.model_path, max_model_len(cfg), run.device, None,
+                           cfg.lora)
     run.link.tell_engine(engine)
     producer = producer_of(cfg, run, episode_engine(cfg, run, engine, episodes, tokenizer,
                                                     processor),

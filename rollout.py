@@ -57,7 +57,8 @@ from algorithms import ADVANTAGE_ESTIMATORS, AlgorithmConfig, keep_group
 from data import PromptItem, PromptLoader
 from fsdp_utils import gathered, stream_full_weights, weights_replaced
 from model.families import engine_dtype, kept_in_fp32, pack_again, tie_overrides
-from model.lora import EngineAdapter, LoRAConfig, adapter_weights, engine_lora_args
+from model.lora import (EngineAdapter, LoRAConfig, adapted_on_meta, adapter_weights,
+                        engine_lora_args)
 from model.router_replay import (EngineCapture, Recording, completion_of, engine_rows,
                                  mixture_shape)
 from model.vision import (PLACEHOLDER_BIAS, expand_prompt, is_vision_language,
@@ -334,13 +335,16 @@ class RolloutBuffer:
 def build_rollout(cfg: RolloutConfig, model_path: str, max_model_len: int, device: torch.device,
                   model, lora: LoRAConfig | None = None):
     """The engine `cfg.engine` names; `model` is the trainer's FSDP2 model (the hf engine generates
-    with it; vLLM with --lora.sync adapter takes its adapters' settings)."""
+    with it; vLLM with --lora.sync adapter takes its adapters' settings, from the model on the
+    meta device on a rank that only generates, `model` None)."""
     if cfg.engine == "hf":
         return HFRollout(cfg, model, model_path, device)
+    if lora is not None and lora.rank and model is None:
+        model = adapted_on_meta(model_path, lora)
     lora_args = engine_lora_args(lora, model, device)  # {}: no LoRA in vLLM
     engine = VLLMRollout(cfg, model_path, max_model_len, device, lora_args)
     if lora_args:
-        engine.adapter = EngineAdapter(engine._worker, model, engine.dtype, device)
+        engine.adapter = EngineAdapter(engine._worker, model)
     return engine
 
 
@@ -540,9 +544,8 @@ class VLLMRollout:
         Collective: every rank streams the whole model (fsdp_utils.stream_full_weights gathers and
         casts one parameter at a time), or its adapters (--lora.sync adapter).
         """
-        stream = (adapter_weights(model, self.dtype, self.device) if self.adapter else
-                  stream_full_weights(model, self.dtype, self.device, self.fp32))
-        self.load_weights(stream, version, on_loaded)
+        self.load_weights(weights_stream(model, self.dtype, self.device, self.fp32,
+                                         self.adapter is not None), version, on_loaded)
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], version: int,
                      on_loaded: Callable[[], None] = lambda: None) -> None:
@@ -628,6 +631,14 @@ class VLLMRollout:
                    else captured[(out.request_id, sample.index)])
         return engine_rows(experts, len(out.prompt_token_ids) + len(sample.token_ids),
                            self.mixture[1])
+
+
+def weights_stream(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                   fp32: tuple[str, ...], adapters: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a vLLM engine takes at a sync, gathered one tensor at a time (a collective): the whole
+    model in its dtype (fp32 where it keeps `fp32`), or the adapters alone (--lora.sync adapter)."""
+    return (adapter_weights(model, dtype, device) if adapters else
+            stream_full_weights(model, dtype, device, fp32))
 
 
 def vllm_prompt(item: PromptItem) -> dict:

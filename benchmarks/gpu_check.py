@@ -446,7 +446,7 @@ def part_link(args) -> dict:
     actor = load_sharded_model(args.model, device, trainable=True)
     link = Link(0, device, timedelta(minutes=5))  # no generator: the weights group is trainer rank 0 alone
     start = time.perf_counter()
-    link.publish(actor, 1, torch.bfloat16, ())
+    link.publish(stream_full_weights(actor, torch.bfloat16, device), 1)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

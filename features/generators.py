@@ -11,7 +11,8 @@ joins them through torchrun's store and one process group:
   generators' timings; the trainers read and delete them (`GeneratedRollouts`, the trainer's
   buffer: the loop's `buffer.get(version)` as in the colocated run).
 - weights: after every update the trainers stream the full weights one tensor at a time
-  (fsdp_utils.stream_full_weights) and trainer rank 0 broadcasts each over a process group of
+  (rollout.weights_stream; the adapters alone with --lora.sync adapter, which the generators'
+  engines then load into vLLM's LoRA) and trainer rank 0 broadcasts each over a process group of
   itself and the generators (gloo here, NCCL on GPUs); the generators load them in place between
   two batches (`Generators`, the engine the trainer ranks hold: its sync_weights publishes).
 - validation: a trainer asks for version v's responses to its validation prompts; the generators
@@ -41,12 +42,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_utils import stream_full_weights
 from plumbing.checkpoints import stop_note
 from plumbing.collectives import all_reduce
 from plumbing.metrics import lag_metrics
 from rewards import Group, RoundScores, Scoring
-from rollout import RolloutConfig, RolloutProducer, Rollouts
+from rollout import RolloutConfig, RolloutProducer, Rollouts, weights_stream
 
 POLL_SECONDS = 0.01  # how often a waiting side reads the store
 
@@ -79,26 +79,28 @@ class Link:
         return pickle.loads(self.store.get("plan"))
 
     def tell_engine(self, engine) -> None:
-        """Generators: what the weights must be streamed as (rollout.VLLMRollout's dtype and the
-        parameters it keeps in fp32); generator rank 0 writes it."""
+        """Generators: what the weights must be streamed as (rollout.VLLMRollout's dtype, the
+        parameters it keeps in fp32, whether it takes the adapters alone: --lora.sync adapter);
+        generator rank 0 writes it."""
         if dist.get_rank() == 0:
-            self.store.set("engine", pickle.dumps((engine.dtype, engine.fp32)))
+            self.store.set("engine", pickle.dumps((engine.dtype, engine.fp32,
+                                                   engine.adapter is not None)))
 
-    def engine(self) -> tuple[torch.dtype, tuple[str, ...]]:
+    def engine(self) -> tuple[torch.dtype, tuple[str, ...], bool]:
         """Trainers: what tell_engine said (once the generators' engines have started)."""
         return pickle.loads(self.store.get("engine"))
 
     # ---- weights ---------------------------------------------------------------------------------
 
-    def publish(self, model: torch.nn.Module, version: int, dtype: torch.dtype,
-                fp32: tuple[str, ...]) -> int:
-        """Trainers (all of them: every gather is a collective): version `version`'s full weights in
-        the engine's dtype, broadcast by trainer rank 0 one tensor at a time; returns (the bytes
-        sent) once the generators have them (they take them at their next batch boundary)."""
+    def publish(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> int:
+        """Trainers (all of them: every gather is a collective): version `version`'s weights as the
+        engine takes them (rollout.weights_stream), broadcast by trainer rank 0 one tensor at a
+        time; returns (the bytes sent) once the generators have them (they take them at their next
+        batch boundary)."""
         root, sent = dist.get_rank() == 0, 0
         if root:
             self.store.set("published", str(version))
-        for name, tensor in stream_full_weights(model, dtype, self.device, fp32):
+        for name, tensor in weights:
             sent += tensor.numel() * tensor.element_size()
             if root:
                 self._broadcast_object((name, tuple(tensor.shape), tensor.dtype))
@@ -237,8 +239,8 @@ class Generators:
     publishes the weights to the generator ranks, `scored` has them sample and score this rank's
     validation prompts (the training groups come through `GeneratedRollouts`); no generate."""
 
-    def __init__(self, link: Link, dtype: torch.dtype, fp32: tuple[str, ...]):
-        self.link, self.dtype, self.fp32 = link, dtype, fp32
+    def __init__(self, link: Link, dtype: torch.dtype, fp32: tuple[str, ...], adapters: bool):
+        self.link, self.dtype, self.fp32, self.adapters = link, dtype, fp32, adapters
         self.weights_version = 0
         self.sync_bytes = 0  # what the last publish sent
 
@@ -253,7 +255,8 @@ class Generators:
 
     def sync_weights(self, model: torch.nn.Module, version: int,
                      on_loaded: Callable[[], None] = lambda: None) -> None:
-        self.sync_bytes = self.link.publish(model, version, self.dtype, self.fp32)
+        self.sync_bytes = self.link.publish(
+            weights_stream(model, self.dtype, self.link.device, self.fp32, self.adapters), version)
         self.weights_version = version
         on_loaded()
 

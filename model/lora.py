@@ -36,6 +36,9 @@ from typing import Literal
 
 import torch
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig
+
+from plumbing.tiny import model_class
 
 ADAPTER = "default"  # peft's name for the one adapter
 
@@ -199,21 +202,38 @@ def engine_lora_args(cfg: LoRAConfig | None, model, device: torch.device) -> dic
                 max_lora_rank=next(rank for rank in VLLM_RANKS if rank >= largest))
 
 
+def adapted_on_meta(model_path: str, cfg: LoRAConfig):
+    """The model at `model_path` with `cfg`'s adapters, on the meta device (shapes and names, no
+    memory): what a rank that only generates knows of the trainers' adapters (--rollout.generators).
+    """
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        return add_adapters(model_class(config).from_config(config), cfg)
+
+
+def _adapter_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name as peft saves it, parameter) of every adapter matrix:
+    'base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight' ->
+    '...q_proj.lora_A.weight'."""
+    for name, param in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            yield name.replace(f".{ADAPTER}.", "."), param
+
+
 @torch.no_grad()
 def adapter_weights(model, dtype: torch.dtype,
                     device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name as peft saves it, full tensor in `dtype`) of every adapter matrix, one at a time:
-    'base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight' ->
-    '...q_proj.lora_A.weight'. Collective like merged_weights: every rank consumes it all."""
-    for name, param in model.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name:
-            yield name.replace(f".{ADAPTER}.", "."), _full(param, device, dtype)
+    """(name as peft saves it, full tensor in `dtype`) of every adapter matrix, one at a time.
+    Collective like merged_weights: every rank consumes it all."""
+    for name, param in _adapter_parameters(model):
+        yield name, _full(param, device, dtype)
 
 
 class EngineAdapter:
-    """The trained adapter inside an in-process vLLM engine started with `engine_lora_args`: loaded
-    from tensors in memory under one adapter id, replaced in place at every sync; every generate
-    call passes `request`.
+    """The trained adapter inside an in-process vLLM engine started with `engine_lora_args` for
+    `model` (peft's, its adapters' settings; on the meta device where the rank only generates):
+    loaded from tensors in memory under one adapter id, replaced in place at every sync; every
+    generate call passes `request`.
 
     vLLM 0.32 loads adapters from a folder (its worker's `_load_adapter`); this builds the same
     LoRAModel from the streamed tensors (`LoRAModel.from_lora_tensors`, the name mapping of a
@@ -224,7 +244,7 @@ class EngineAdapter:
 
     ID = 1
 
-    def __init__(self, worker, model, dtype: torch.dtype, device: torch.device):
+    def __init__(self, worker, model):
         from vllm.lora.peft_helper import PEFTHelper
         from vllm.lora.request import LoRARequest
 
@@ -239,9 +259,9 @@ class EngineAdapter:
         self.mapper = mapper and mapper.get_rename_mapper()
         self.skip = getattr(vllm_model, "lora_skip_prefixes", None)
         self.request = LoRARequest("policy", self.ID, "in-memory")
-        # the fresh adapter (B = 0: the base model) loaded now, so that a module vLLM would leave
-        # out is refused before the first step; a collective, like every sync
-        self.load(adapter_weights(model, dtype, device))
+        # an adapter of zeros (the base model, as a fresh one: B = 0) loaded now, so that a module
+        # vLLM would leave out is refused before the first step; `model` may be on the meta device
+        self.load((name, torch.zeros(param.shape)) for name, param in _adapter_parameters(model))
 
     def adaptable(self) -> set[str]:
         """The module names (their last part) vLLM's LoRA layers cover in this model, the parts of

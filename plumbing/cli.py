@@ -164,8 +164,7 @@ def check_flags(cfg, world_size: int, estimators: dict, losses: dict, correction
     if cfg.lora.sync == "adapter":
         adapter = {f"--lora.rank {cfg.lora.rank} (no adapters)": not cfg.lora.rank,
                    f"--lora.rank {cfg.lora.rank} (vLLM 0.32 adapts ranks up to 512)": cfg.lora.rank > 512,
-                   "--rollout.engine hf (it generates with the trainer's model itself)": r.engine == "hf",
-                   "--rollout.generators (the link streams the merged weights)": r.generators}
+                   "--rollout.engine hf (it generates with the trainer's model itself)": r.engine == "hf"}
         problems += [f"--lora.sync adapter with {flag}: use --lora.sync merged or drop it"
                      for flag, given in adapter.items() if given]
     algo = cfg.algorithm

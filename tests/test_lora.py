@@ -221,14 +221,13 @@ def test_the_engine_gets_room_for_the_largest_adapter(tiny, tmp_path, architectu
 
 @pytest.mark.parametrize("change, message", [
     ({"rank": 0}, "--lora.sync adapter with --lora.rank 0 (no adapters)"),
-    ({"engine": "hf"}, "--lora.sync adapter with --rollout.engine hf (it generates with the trainer's model itself)"),
-    ({"generators": 1}, "--lora.sync adapter with --rollout.generators (the link streams the merged weights)")])
+    ({"engine": "hf"}, "--lora.sync adapter with --rollout.engine hf (it generates with the trainer's model itself)")])
 def test_adapter_sync_refuses_what_it_cannot_serve(change, message):
     from grpo import Config, check_config
 
     cfg = Config()
     cfg.lora.rank, cfg.lora.sync = change.get("rank", 8), "adapter"
-    cfg.rollout.engine, cfg.rollout.generators = change.get("engine", "vllm"), change.get("generators", 0)
+    cfg.rollout.engine = change.get("engine", "vllm")
     with pytest.raises(SystemExit) as error:
         check_config(cfg, world_size=2)
     assert message in str(error.value) and len(str(error.value).splitlines()) == 2
