@@ -7,7 +7,8 @@ need a line in, in one place.
   (`linear_kernel_problems`), said at start-up (`attention_line`).
 - The engine's dtype (`engine_dtype`): a model with linear attention runs in bf16 only on vLLM's
   CPU kernels.
-- The parameters a bf16 engine on CPU keeps in fp32 (`kept_in_fp32`: Gated DeltaNet's A_log).
+- The parameters a bf16 engine on CPU keeps in fp32 (`kept_in_fp32`: Gated DeltaNet's A_log; on a
+  CPU with AMX, the biases of the small linear layers vLLM's sgl kernels take).
 - The weights vLLM's CPU build packs at load and a reload misses (`pack_again`): the tied output
   head and a mixture of experts' expert weights.
 - The tie flags (`tie_overrides`): a vision-language model whose top-level flag and text config's
@@ -167,9 +168,10 @@ def engine_dtype(name: str, on_gpu: bool, config) -> torch.dtype:
 
 def kept_in_fp32(engine_model: torch.nn.Module, on_gpu: bool,
                  dtype: torch.dtype) -> tuple[str, ...]:
-    """The parameters a bf16 engine on CPU keeps in fp32 (Gated DeltaNet's A_log), by the last
-    two parts of their names (vLLM's and transformers' agree there): streamed in fp32, as the
-    trainer computes with them there. On GPUs the trainer computes with bf16 copies of its
+    """The parameters a bf16 engine on CPU keeps in fp32 (Gated DeltaNet's A_log; on a CPU with
+    AMX, the biases of the linear layers small enough for vLLM's sgl kernels), by the last two
+    parts of their names (vLLM's and transformers' agree there): streamed in fp32, as the trainer
+    computes with them there. On GPUs the trainer computes with bf16 copies of its
     weights (FSDP2's mixed precision), so bf16 is what the engine must get; an fp32 engine
     takes fp32 anyway. `engine_model`: the vLLM worker's model."""
     if on_gpu or dtype == torch.float32:

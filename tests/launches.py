@@ -89,8 +89,8 @@ class Run:
     error: str  # "" when every part finished
 
     def output(self, part: int = 0) -> str:
-        """Every rank's stdout and stderr of that part, rank 0 first."""
-        return "".join(p.read_text(errors="replace") for p in sorted(self.folder.glob(f".logs/{part}.rank*.txt")))
+        """Every rank's stdout and stderr of that part, rank 0 first, each on lines of its own."""
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.folder.glob(f".logs/{part}.rank*.txt")))
 
     def files(self, part: int = 0, before: bool = False) -> dict[str, str]:
         """The folder's files (relative path: content digest) after that part (or just before it), the launch's own

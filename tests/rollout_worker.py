@@ -34,6 +34,13 @@ TEMPERATURE = 0.7
 MISTIED = "_mistied"  # a vision-language checkpoint whose tie flags disagree (model/families.py, tie_overrides)
 
 
+def common_name(name: str) -> str:
+    """A parameter's name from "layers." (the language model's) or "visual." (the vision tower's) on: the part vLLM's
+    and transformers' names share; the whole name where neither is in it."""
+    starts = [name.find(part) for part in ("layers.", "visual.") if part in name]
+    return name[min(starts):] if starts else name
+
+
 def logprob_gap(actor, prompts, groups, pad_id, processor=None, mean=False, **support):
     """Max (`mean`: mean) |trainer - engine| log-prob over every generated token (prompts with images: `processor`
     expands them; `support`: the top_k / top_p the trainer's log-probs are renormalised under)."""
@@ -117,12 +124,13 @@ def generate_and_sync(engine: str, architecture: str, out: str) -> list[dict] | 
     rollout.sync_weights(actor, version=2)
     gap_resynced = logprob_gap(actor, prompts, rollout.generate(prompts, version=2), pad_id=0)
     full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in actor.named_parameters()}
-    # what a bf16 engine keeps in fp32 (Gated DeltaNet's A_log) holds the trainer's fp32 values, by the names from
-    # "layers." on (vLLM's and transformers' prefixes differ)
-    by_layer = {name[name.find("layers."):]: tensor for name, tensor in full.items()}
-    kept_fp32 = {name[name.find("layers."):]: p for name, p in rollout._model.named_parameters()
+    # what a bf16 engine keeps in fp32 (Gated DeltaNet's A_log; on a CPU with AMX, the biases of the small linear
+    # layers its sgl kernels take) holds the trainer's fp32 values, by the names from "layers." or "visual." on
+    # (vLLM's and transformers' prefixes differ)
+    by_layer = {common_name(name): tensor for name, tensor in full.items()}
+    kept_fp32 = {common_name(name): p for name, p in rollout._model.named_parameters()
                  if p.dtype == torch.float32} if engine == "vllm" and rollout.dtype == torch.bfloat16 else {}
-    fp32_exact = all(torch.equal(p.cpu(), by_layer[name]) for name, p in kept_fp32.items())
+    fp32_exact = all(name in by_layer and torch.equal(p.cpu(), by_layer[name]) for name, p in kept_fp32.items())
 
     # the weight stream casts each shard before its gather: bf16 tensors equal to the full fp32 ones, cast
     streamed = dict(stream_full_weights(actor, torch.bfloat16, device))

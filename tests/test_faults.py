@@ -49,9 +49,10 @@ def assert_kept(before: dict[str, bytes], folder: Path) -> None:
 
 def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     """The single `error:` line of a failed launch (torchrun repeats it in its banner as "message"), which must hold
-    every fragment; no traceback of this project's files."""
+    every fragment; no traceback of this project's files. The two streams apart: a rank stopped by torchrun may leave
+    its stdout's last line (the progress bar) unended."""
     assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
-    return the_error_line(proc.stdout + proc.stderr, *fragments)
+    return the_error_line(proc.stdout + "\n" + proc.stderr, *fragments)
 
 
 def the_error_line(output: str, *fragments: str) -> str:

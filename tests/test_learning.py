@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow  # every test here launches processes
 def test_default_job_learns_the_builtin_task_then_teaches_a_fresh_student_faster(tmp_path):
     """The default job, `torchrun --nproc_per_node 2 grpo.py` (the `toy` preset), for 85 of its 120 steps: on three
     seeds the mean of steps 81-85 was 0.90, 0.90 and 0.94 and the held-out reward at step 80 1.0, 0.98 and 1.0 (the
-    README's full curve comes from the benchmark). Its final model then teaches a fresh random student by on-policy
+    README's full curve comes from the benchmark); the same command, bitwise the same code, gave 0.87 on an AMD CPU
+    and 0.75 on one with AMX (its kernels round otherwise, and a tiny model at lr 1e-3 follows the rounding far), so
+    the bars are 0.6, still 200 times the start. Its final model then teaches a fresh random student by on-policy
     distillation (`grpo.py toy_distill`: the forward KL over the whole vocabulary, no reward) for 35 steps: on three
     seeds (trainer and data seeds 1, 2, 3) the student's mean over steps 31-35 was 0.36, 0.46 and 0.39 where RL from
     the same weights had 0.13, 0.12 and 0.15 at those steps, and 0.82, 0.96 and 0.82 on the held-out prompts at step
@@ -36,10 +38,10 @@ def test_default_job_learns_the_builtin_task_then_teaches_a_fresh_student_faster
     rewards = [m["train/reward_overall"] for m in metrics]
     assert rewards[0] < 0.1, f"a random model should start near chance, got {rewards[0]}"
     last = sum(rewards[-5:]) / 5
-    assert last >= 0.8, f"reward did not climb: first {rewards[0]:.3f}, mean of the last 5 steps {last:.3f}"
+    assert last >= 0.6, f"reward did not climb: first {rewards[0]:.3f}, mean of the last 5 steps {last:.3f}"
     # the held-out prompts at one of the last two validations (steps 80 and 85): one validation alone swings with
     # the machine (toy_lora's at step 100: 0.98 on one CPU, 0.78 on another)
-    assert max([m["val/reward_overall"] for m in metrics if "val/reward_overall" in m][-2:]) >= 0.8
+    assert max([m["val/reward_overall"] for m in metrics if "val/reward_overall" in m][-2:]) >= 0.6
     assert "done:" in output and "train reward" in output
     assert max(m["rollout/logprob_diff_max"] for m in metrics) < ENGINE_GAP  # the engine followed the model
 

@@ -315,7 +315,10 @@ def test_the_engine_follows_the_trainer_through_two_syncs_of_changed_weights(gen
             assert r["mean_synced"] < ENGINE_GAP_BF16 and r["gap_synced"] < ENGINE_GAP_BF16_MAX
             assert r["gap_initial"] < ENGINE_GAP_BF16_MAX and r["gap_resynced"] < ENGINE_GAP_BF16_MAX
             assert r["gap_stale"] > 1.0, "the change must move the log-probs far beyond bf16 rounding"
-            assert r["kept_fp32"] == ["layers.0.linear_attn.A_log"] and r["fp32_exact"]
+            # beside A_log, a CPU with AMX keeps the biases of the linear layers small enough for vLLM's sgl kernels
+            # in fp32 (vllm/model_executor/layers/utils.py, check_cpu_sgl_kernel): the vision tower's here
+            assert "layers.0.linear_attn.A_log" in r["kept_fp32"] and r["fp32_exact"]
+            assert all(name.endswith(".bias") for name in r["kept_fp32"] if name != "layers.0.linear_attn.A_log")
         else:
             assert max(r["gap_initial"], r["gap_synced"], r["gap_resynced"]) < ENGINE_GAP
             assert r["gap_stale"] > 0.05
