@@ -260,7 +260,7 @@ FAMILIES = {"qwen2_vl": Qwen2VLFamily(), "qwen2_5_vl": Qwen2_5_VLFamily(),
             "qwen3_vl": Qwen3VLFamily()}  # model_type -> its adapter
 # Qwen3.5: Qwen3-VL's processor, tokens and positions; a tower without deepstack (nothing to
 # cut), a hybrid language model (linear attention: families.py)
-FAMILIES["qwen3_5"] = FAMILIES["qwen3_vl"]
+FAMILIES["qwen3_5"] = FAMILIES["qwen3_5_moe"] = FAMILIES["qwen3_vl"]  # and Qwen3.5's mixtures
 
 
 def family(config) -> Qwen2VLFamily:

@@ -3,11 +3,11 @@ and the transformers class that builds any checkpoint's model (`model_class`).
 
 The default job, the tests and the benchmark use these so that everything runs offline on a CPU.
 `--actor.model-path tiny:qwen2` (also `tiny:qwen3`, `tiny:llama`, the current generation's `tiny:qwen3_5_text`,
-`tiny:qwen3_moe`, `tiny:qwen3_next`, and the vision-language `tiny:qwen2_vl`, `tiny:qwen2_5_vl`, `tiny:qwen3_vl`,
-`tiny:qwen3_5`) builds the model once into a folder with `save_pretrained` (with the processor for the
-vision-language ones), so transformers, vLLM and peft load it as they would a hub model. `tiny:qwen2_5_bpe`,
-`tiny:qwen2_5_vl_bpe` and `tiny:qwen3_next_bpe` are the same shapes with Qwen's real tokenizer (REAL_VOCABULARY;
-Qwen2.5's and Qwen3's are one).
+`tiny:qwen3_moe`, `tiny:qwen3_next`, `tiny:qwen3_5_moe_text`, and the vision-language `tiny:qwen2_vl`,
+`tiny:qwen2_5_vl`, `tiny:qwen3_vl`, `tiny:qwen3_5`, `tiny:qwen3_5_moe`) builds the model once into a folder with
+`save_pretrained` (with the processor for the vision-language ones), so transformers, vLLM and peft load it as
+they would a hub model. `tiny:qwen2_5_bpe`, `tiny:qwen2_5_vl_bpe` and `tiny:qwen3_next_bpe` are the same shapes
+with Qwen's real tokenizer (REAL_VOCABULARY; Qwen2.5's and Qwen3's are one).
 
 Design decisions:
 - The tokenizer is byte-level BPE like Qwen's (transformers rebuilds Qwen's byte-level pipeline
@@ -26,11 +26,11 @@ Design decisions:
   right answer starts at ~1/150k.
 - Qwen2 and Qwen3 tie the input and output embeddings (as Qwen2.5-0.5B..3B do), Llama does not, so
   the weight sync is exercised both ways.
-- The current generation's (Qwen3.5, Qwen3-MoE, Qwen3-Next) have what makes them differ, each at its smallest: one
-  Gated DeltaNet linear-attention layer before one full-attention layer (Qwen3.5 and Qwen3-Next; real ones have
-  three linear per full one), a quarter of head_dim rotated, 4 experts of which 2 per token (Qwen3-MoE and
-  Qwen3-Next, whose shared expert is beside them). Qwen3.5 is tied as its 0.8B-4B checkpoints are, the mixtures
-  are not.
+- The current generation's (Qwen3.5, Qwen3-MoE, Qwen3-Next, Qwen3.5's mixtures) have what makes them differ, each
+  at its smallest: one Gated DeltaNet linear-attention layer before one full-attention layer (Qwen3.5, Qwen3-Next
+  and Qwen3.5-MoE; real ones have three linear per full one), a quarter of head_dim rotated, 4 experts of which 2
+  per token (Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE, whose shared expert is beside them). Qwen3.5 is tied as its
+  0.8B-4B checkpoints are, the mixtures are not.
 - The vision-language models (about 0.6M parameters) share the text part's shape and tokenizer and add a
   2-layer vision tower; their image processor keeps an image between 4 and 64 patches (1 to 16 image tokens
   after the 2x2 merge), so an image costs a CPU little. Qwen3-VL's shape constraints (patch 16, a square
@@ -73,6 +73,10 @@ from transformers import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
@@ -141,6 +145,10 @@ ARCHITECTURES = {
                    dict(tie_word_embeddings=False, num_experts=4, shared_expert_intermediate_size=64, **EXPERTS,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
                         **HYBRID)),
+    # Qwen3.5's mixtures' language model alone (model_type qwen3_5_moe_text): Qwen3-Next's layers, Qwen3.5's M-RoPE
+    "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM,
+                         dict(tie_word_embeddings=False, num_experts=4, shared_expert_intermediate_size=64, **EXPERTS,
+                              rope_parameters=QWEN3_5_ROPE, **HYBRID)),
 }
 # Vision-language: (config, model, processor, image processor, video processor, text extras, vision config).
 # M-RoPE's sections split head_dim / 2 = 32 rotary frequencies over (time, height, width).
@@ -163,6 +171,13 @@ VISION_ARCHITECTURES = {
                 Qwen3VLVideoProcessor, dict(rope_parameters=QWEN3_5_ROPE, tie_word_embeddings=True, **HYBRID),
                 dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=16,
                      num_position_embeddings=64)),
+    # Qwen3.5's mixtures (what their checkpoints declare): the same tower before Qwen3.5-MoE's language model
+    "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3VLProcessor, Qwen2VLImageProcessor,
+                    Qwen3VLVideoProcessor,
+                    dict(rope_parameters=QWEN3_5_ROPE, tie_word_embeddings=False, num_experts=4,
+                         shared_expert_intermediate_size=64, **EXPERTS, **HYBRID),
+                    dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                         patch_size=16, num_position_embeddings=64)),
 }
 
 
@@ -316,7 +331,9 @@ def build_tiny_vlm(architecture: str, path: str | Path, seed: int = 0) -> Path:
     text = dict(vocab_size=rows, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, bos_token_id=None,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **text_extra)
-    config = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    # tied, as the text part says (Qwen3.5's mixtures are not); both levels agree
+    config = config_cls(text_config=text, vision_config=vision,
+                        tie_word_embeddings=text_extra.get("tie_word_embeddings", True), **ids)
     torch.manual_seed(seed)
     model = model_cls(config)
     model.generation_config = generation

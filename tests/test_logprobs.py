@@ -127,7 +127,7 @@ def test_packed_equals_padded_logprobs_loss_and_gradients(model):
                           gradients(model, lambda: response_logprobs(model, batch, 1.0, True), weights))
 
 
-@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def test_packed_equals_padded_for_vision_language_models(tmp_path, architecture):
     """Image rows (one and two images), video rows (a video; an image and a video longer than it is wide) and a
     text row packed into one row, with the 3-D M-RoPE positions of each sequence under a row of text positions: each

@@ -36,7 +36,7 @@ from plumbing.tiny import build_tiny_model
 from rollout import RolloutConfig, VLLMRollout
 from test_logprobs import PROMPTS, RESPONSES, assert_same_gradients, gradients
 
-MIXTURES = ["qwen3_moe", "qwen3_next"]
+MIXTURES = ["qwen3_moe", "qwen3_next", "qwen3_5_moe_text"]
 
 
 class OneRouter(torch.nn.Module):

@@ -209,7 +209,7 @@ def test_a_new_family_is_one_adapter(tmp_path, monkeypatch, world_of_one):
         assert family(AutoConfig.from_pretrained(path)) is FAMILIES[architecture]
         assert processor_family(AutoProcessor.from_pretrained(path)) is FAMILIES[architecture]
     refused = (r"^vision-language model_type 'llava' is not supported \(supported: model_type "
-               r"qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5\); a new family is one adapter in vision.py "
+               r"qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_5_moe\); a new family is one adapter in vision.py "
                r"\(FAMILIES\)$")
     with pytest.raises(ValueError, match=refused):
         placeholder_token_ids(LlavaConfig())

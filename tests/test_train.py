@@ -115,7 +115,8 @@ def test_bf16_weights_train_and_resume(runs):
 
 
 TEXT_ARCHITECTURES = {"qwen3": ["--actor.max-tokens-per-micro-batch", "300"], "llama": ["--actor.no-padding-free"],
-                      "qwen3_moe": ["--lora.rank", "4"], "qwen3_next_bpe": []}
+                      "qwen3_moe": ["--lora.rank", "4"], "qwen3_next_bpe": [],
+                      "qwen3_5_moe_text": ["--actor.router-replay"]}
 SEQUENCE_PARALLEL = ["--actor.sequence-parallel-size", "2"]  # refused for a model with linear attention
 
 
@@ -136,16 +137,18 @@ ARCHITECTURE_RUNS = launched_cases("architecture", TEXT_ARCHITECTURES, text_arch
 @pytest.mark.slow
 def test_text_architectures_train(runs, architecture):
     """Each text architecture, one with token-budget micro-batches, one padded instead of packed, a mixture of
-    experts with LoRA (its merged experts synced), and a hybrid mixture with the real vocabulary after a refused
-    start with sequence parallelism, replaying the engine's routing (--actor.router-replay: its bf16 engine picks
-    other experts for ~0.2% of the token-layers); the engine agrees with the trainer after every sync, to its dtype's
-    rounding (vLLM runs linear attention in bf16 on a CPU: tests/test_models.py)."""
+    experts with LoRA (its merged experts synced), and two hybrid mixtures replaying the engine's routing
+    (--actor.router-replay: their bf16 engines pick other experts for ~0.2% of the token-layers): Qwen3-Next with the
+    real vocabulary after a refused start with sequence parallelism, and Qwen3.5's mixture; the engine agrees with the
+    trainer after every sync, to its dtype's rounding (vLLM runs linear attention in bf16 on a CPU:
+    tests/test_models.py)."""
     run = runs[ARCHITECTURE_RUNS[architecture]]
     metrics = read_metrics(run.folder / architecture)
     assert len(metrics) == 2 and all(m["actor/pg_loss"] != 0 for m in metrics)
     if architecture == "qwen3_next_bpe":
         refused = [line for line in run.output(0).splitlines() if line.startswith("error:")]
         assert len(set(refused)) == 1 and "--actor.sequence-parallel-size 2: the model's linear-attention" in refused[0]
+    if architecture in ("qwen3_next_bpe", "qwen3_5_moe_text"):
         assert all(m["rollout/logprob_diff_mean"] < ENGINE_GAP_BF16 for m in metrics)
         # replayed: no expert flips, bf16's rounding only (~0.03 at step 2 without: ENGINE_GAP_BF16_MAX)
         assert all(m["rollout/logprob_diff_max"] < ENGINE_GAP_BF16 for m in metrics)
