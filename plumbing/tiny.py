@@ -129,6 +129,8 @@ QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_f
                 "mrope_section": [2, 3, 3], "mrope_interleaved": True}
 # Mixture of experts: 4 experts of width 64, 2 per token (vLLM's CPU experts need widths in multiples of 32)
 EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+# Hybrid and mixture of experts, with a shared expert beside the routed ones, untied: Qwen3-Next's and Qwen3.5-MoE's
+HYBRID_MIXTURE = dict(tie_word_embeddings=False, num_experts=4, shared_expert_intermediate_size=64, **EXPERTS, **HYBRID)
 ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     # a reward model (Bradley-Terry: a score a sequence), the default job's tokenizer: --reward.model tiny:qwen2_rm
@@ -140,15 +142,12 @@ ARCHITECTURES = {
                      dict(tie_word_embeddings=True, rope_parameters=QWEN3_5_ROPE, **HYBRID)),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                   dict(tie_word_embeddings=False, head_dim=64, num_local_experts=4, **EXPERTS)),
-    # hybrid and mixture of experts, with a shared expert beside the routed ones
     "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM,
-                   dict(tie_word_embeddings=False, num_experts=4, shared_expert_intermediate_size=64, **EXPERTS,
-                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-                        **HYBRID)),
+                   dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                        **HYBRID_MIXTURE)),
     # Qwen3.5's mixtures' language model alone (model_type qwen3_5_moe_text): Qwen3-Next's layers, Qwen3.5's M-RoPE
     "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM,
-                         dict(tie_word_embeddings=False, num_experts=4, shared_expert_intermediate_size=64, **EXPERTS,
-                              rope_parameters=QWEN3_5_ROPE, **HYBRID)),
+                         dict(rope_parameters=QWEN3_5_ROPE, **HYBRID_MIXTURE)),
 }
 # Vision-language: (config, model, processor, image processor, video processor, text extras, vision config).
 # M-RoPE's sections split head_dim / 2 = 32 rotary frequencies over (time, height, width).
@@ -174,8 +173,7 @@ VISION_ARCHITECTURES = {
     # Qwen3.5's mixtures (what their checkpoints declare): the same tower before Qwen3.5-MoE's language model
     "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3VLProcessor, Qwen2VLImageProcessor,
                     Qwen3VLVideoProcessor,
-                    dict(rope_parameters=QWEN3_5_ROPE, tie_word_embeddings=False, num_experts=4,
-                         shared_expert_intermediate_size=64, **EXPERTS, **HYBRID),
+                    dict(rope_parameters=QWEN3_5_ROPE, **HYBRID_MIXTURE),
                     dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
                          patch_size=16, num_position_embeddings=64)),
 }
